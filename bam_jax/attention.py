@@ -1,0 +1,196 @@
+"""Causal attention with a positional prior, documents, SSMax and grouped-query heads.
+
+One entry point, `dot_product_attention`, dispatches to implementations that compute
+the same function:
+
+- "reference": plain einsum with the bias and mask materialised, float32 softmax.
+- "blockwise": flash-style online softmax over key blocks; the prior is evaluated per
+  tile from positions, so no T x S array is ever built.
+
+Positions: key slot s sits at position s; query t sits at `query_offset + t`. With a KV
+cache of capacity S, unfilled slots lie in the future of every query and are masked by
+causality. Segment ids: a query sees only keys with the same id; negative ids mark
+padding, which is never attended to and never counted by SSMax.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from bam_jax.priors import Prior
+
+Implementation = Literal["reference", "blockwise"]
+PADDING_SEGMENT = -1
+
+
+def dot_product_attention(
+    query_BxTxHxD: jax.Array,
+    key_BxSxKxD: jax.Array,
+    value_BxSxKxD: jax.Array,
+    *,
+    prior: Prior | None = None,
+    ssmax_scale_H: jax.Array | None = None,
+    ssmax_prior_inside: bool = True,
+    query_segment_ids_BxT: jax.Array | None = None,
+    key_segment_ids_BxS: jax.Array | None = None,
+    query_offset: int | jax.Array = 0,
+    causal: bool = True,
+    window: int | None = None,
+    implementation: Implementation = "reference",
+    block_q: int = 512,
+    block_k: int = 512,
+) -> jax.Array:
+    """Attention output [B, T, H, D] in the query's dtype.
+
+    logits = q.k / sqrt(D) + prior.bias(k_pos - q_pos); with SSMax (`ssmax_scale_H`
+    given) the logits of query i are multiplied by s_h * log(n_i), n_i the number of
+    keys it may see, either including the prior (`ssmax_prior_inside`, the default)
+    or before the prior is added. Softmax is computed in float32. A query that can
+    see no key (padding) gets a zero output.
+    """
+    _check_shapes(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, prior, ssmax_scale_H)
+    if (query_segment_ids_BxT is None) != (key_segment_ids_BxS is None):
+        raise ValueError("query_segment_ids_BxT and key_segment_ids_BxS must be given together")
+    kwargs = dict(
+        prior=prior,
+        ssmax_scale_H=ssmax_scale_H,
+        ssmax_prior_inside=ssmax_prior_inside,
+        query_segment_ids_BxT=query_segment_ids_BxT,
+        key_segment_ids_BxS=key_segment_ids_BxS,
+        query_offset=query_offset,
+        causal=causal,
+        window=window,
+    )
+    if implementation == "reference":
+        return reference_attention(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, **kwargs)
+    if implementation == "blockwise":
+        from bam_jax.blockwise import blockwise_attention
+
+        return blockwise_attention(
+            query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, block_q=block_q, block_k=block_k, **kwargs
+        )
+    raise ValueError(
+        f"implementation must be 'reference' or 'blockwise', got {implementation!r}"
+    )
+
+
+def _check_shapes(q, k, v, prior, ssmax_scale_H) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"query, key and value must be [batch, length, heads, head_dim]; got "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"key {k.shape} and value {v.shape} must have the same shape")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"query {q.shape} and key {k.shape} differ in batch or head_dim")
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    if prior is not None and prior.num_heads != num_heads:
+        raise ValueError(f"prior has {prior.num_heads} heads, query has {num_heads}")
+    if ssmax_scale_H is not None and ssmax_scale_H.shape != (num_heads,):
+        raise ValueError(f"ssmax_scale_H must have shape ({num_heads},), got {ssmax_scale_H.shape}")
+
+
+def visibility_mask(
+    query_positions_T: jax.Array,
+    key_positions_S: jax.Array,
+    query_segment_ids_BxT: jax.Array | None,
+    key_segment_ids_BxS: jax.Array | None,
+    *,
+    causal: bool,
+    window: int | None,
+) -> jax.Array:
+    """Boolean [B or 1, T, S]: may query t attend to key s."""
+    distance_TxS = query_positions_T[:, None] - key_positions_S[None, :]
+    mask_TxS = jnp.ones(distance_TxS.shape, bool)
+    if causal:
+        mask_TxS &= distance_TxS >= 0
+    if window is not None:
+        mask_TxS &= jnp.abs(distance_TxS) <= window
+    mask = mask_TxS[None]
+    if query_segment_ids_BxT is not None:
+        same_segment_BxTxS = query_segment_ids_BxT[:, :, None] == key_segment_ids_BxS[:, None, :]
+        not_padding_BxS = key_segment_ids_BxS >= 0
+        mask = mask & same_segment_BxTxS & not_padding_BxS[:, None, :]
+    return mask
+
+
+def ssmax_factor(ssmax_scale_H: jax.Array, visible_count: jax.Array) -> jax.Array:
+    """s_h * log(n_i) in float32; rows with n_i = 0 get 0 (they are fully masked)."""
+    log_n = jnp.log(jnp.maximum(visible_count, 1).astype(jnp.float32))
+    return ssmax_scale_H.astype(jnp.float32) * log_n
+
+
+def reference_attention(
+    query_BxTxHxD: jax.Array,
+    key_BxSxKxD: jax.Array,
+    value_BxSxKxD: jax.Array,
+    *,
+    prior: Prior | None,
+    ssmax_scale_H: jax.Array | None,
+    ssmax_prior_inside: bool,
+    query_segment_ids_BxT: jax.Array | None,
+    key_segment_ids_BxS: jax.Array | None,
+    query_offset: int | jax.Array,
+    causal: bool,
+    window: int | None,
+) -> jax.Array:
+    """The oracle: materialises the [B, H, T, S] logits."""
+    batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
+    kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
+    groups = num_heads // num_kv_heads
+    q_BxTxKxGxD = query_BxTxHxD.reshape(batch, q_len, num_kv_heads, groups, head_dim)
+    logits_BxKxGxTxS = jnp.einsum(
+        "btkgd,bskd->bkgts", q_BxTxKxGxD, key_BxSxKxD, preferred_element_type=jnp.float32
+    )
+    logits_BxHxTxS = logits_BxKxGxTxS.reshape(batch, num_heads, q_len, kv_len)
+    logits_BxHxTxS = logits_BxHxTxS / jnp.float32(math.sqrt(head_dim))
+
+    query_positions_T = jnp.arange(q_len) + query_offset
+    key_positions_S = jnp.arange(kv_len)
+    mask_BxTxS = visibility_mask(
+        query_positions_T,
+        key_positions_S,
+        query_segment_ids_BxT,
+        key_segment_ids_BxS,
+        causal=causal,
+        window=window,
+    )
+    bias_HxTxS = None
+    if prior is not None:
+        bias_HxTxS = prior.bias(key_positions_S[None, :] - query_positions_T[:, None])
+    if ssmax_scale_H is not None:
+        visible_BxT = mask_BxTxS.sum(-1)
+        factor_BxHxT = ssmax_factor(ssmax_scale_H[None, :, None], visible_BxT[:, None, :])
+        factor_BxHxTx1 = factor_BxHxT[..., None]
+        if bias_HxTxS is not None and ssmax_prior_inside:
+            logits_BxHxTxS = (logits_BxHxTxS + bias_HxTxS[None]) * factor_BxHxTx1
+        else:
+            logits_BxHxTxS = logits_BxHxTxS * factor_BxHxTx1
+            if bias_HxTxS is not None:
+                logits_BxHxTxS = logits_BxHxTxS + bias_HxTxS[None]
+    elif bias_HxTxS is not None:
+        logits_BxHxTxS = logits_BxHxTxS + bias_HxTxS[None]
+
+    mask_Bx1xTxS = mask_BxTxS[:, None]
+    logits_BxHxTxS = jnp.where(mask_Bx1xTxS, logits_BxHxTxS, -jnp.inf)
+    row_max_BxHxTx1 = jnp.max(logits_BxHxTxS, axis=-1, keepdims=True)
+    row_max_BxHxTx1 = jnp.where(jnp.isfinite(row_max_BxHxTx1), row_max_BxHxTx1, 0.0)
+    unnormalised = jnp.where(mask_Bx1xTxS, jnp.exp(logits_BxHxTxS - row_max_BxHxTx1), 0.0)
+    denominator = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    probs_BxHxTxS = unnormalised / jnp.where(denominator > 0, denominator, 1.0)
+
+    probs_BxKxGxTxS = probs_BxHxTxS.reshape(batch, num_kv_heads, groups, q_len, kv_len)
+    out_BxTxKxGxD = jnp.einsum(
+        "bkgts,bskd->btkgd",
+        probs_BxKxGxTxS,
+        value_BxSxKxD.astype(jnp.float32),
+        preferred_element_type=jnp.float32,
+    )
+    return out_BxTxKxGxD.reshape(batch, q_len, num_heads, head_dim).astype(query_BxTxHxD.dtype)

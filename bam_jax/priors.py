@@ -1,0 +1,152 @@
+"""Positional priors over attention: the generalized Gaussian (GGD) prior and ALiBi.
+
+A prior is a small pytree of per-head parameters with a `bias(distance)` method that
+returns the float32 log-prior for relative distances `d = key_pos - query_pos`
+(d <= 0 under the causal mask). Attention adds it to the content logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GGD_EPS = 1e-5
+
+
+class Prior(Protocol):
+    """Anything attention accepts as a prior: per-head parameters plus a bias function."""
+
+    @property
+    def num_heads(self) -> int: ...
+
+    def bias(self, distance: jax.Array) -> jax.Array:
+        """float32 bias of shape [H, *distance.shape] for integer or float distances."""
+        ...
+
+
+@flax.struct.dataclass
+class GGDPrior:
+    """Generalized Gaussian prior: bias_h(d) = -exp(a_h) * (|d - mu_h| + eps) ** b_h.
+
+    mu_h = exp(theta_mu_h) - exp(-theta_mu_h). theta_beta is never clipped: zero or
+    negative shapes (priors that grow with distance) are legal.
+    """
+
+    theta_alpha_H: jax.Array
+    theta_beta_H: jax.Array
+    theta_mu_H: jax.Array
+
+    @property
+    def num_heads(self) -> int:
+        return self.theta_alpha_H.shape[0]
+
+    def bias(self, distance: jax.Array) -> jax.Array:
+        return ggd_bias(self.theta_alpha_H, self.theta_beta_H, self.theta_mu_H, distance)
+
+
+@flax.struct.dataclass
+class AlibiPrior:
+    """ALiBi: bias_h(d) = -slope_h * |d|."""
+
+    slopes_H: jax.Array
+
+    @property
+    def num_heads(self) -> int:
+        return self.slopes_H.shape[0]
+
+    def bias(self, distance: jax.Array) -> jax.Array:
+        distance = jnp.asarray(distance, jnp.float32)
+        slopes = jnp.asarray(self.slopes_H, jnp.float32)
+        return -slopes.reshape((-1,) + (1,) * distance.ndim) * jnp.abs(distance)[None]
+
+
+def ggd_bias(
+    theta_alpha_H: jax.Array,
+    theta_beta_H: jax.Array,
+    theta_mu_H: jax.Array,
+    distance: jax.Array,
+) -> jax.Array:
+    """GGD log-prior in float32, shape [H, *distance.shape]."""
+    expand = (-1,) + (1,) * jnp.ndim(distance)
+    alpha = jnp.asarray(theta_alpha_H, jnp.float32).reshape(expand)
+    beta = jnp.asarray(theta_beta_H, jnp.float32).reshape(expand)
+    theta_mu = jnp.asarray(theta_mu_H, jnp.float32).reshape(expand)
+    mu = jnp.exp(theta_mu) - jnp.exp(-theta_mu)
+    d = jnp.asarray(distance, jnp.float32)[None]
+    return -jnp.exp(alpha) * jnp.power(jnp.abs(d - mu) + GGD_EPS, beta)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi slopes for any head count, float32 [H] (spec section 3)."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two_slopes(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        extra = alibi_slopes(2 * closest).tolist()[0::2][: num_heads - closest]
+        slopes = power_of_two_slopes(closest) + extra
+    return np.asarray(slopes, np.float32)
+
+
+AlphaInit = Literal["slope", "sampled"] | float
+BetaInit = Literal["linear", "sampled"] | float
+
+
+def init_ggd_prior(
+    num_heads: int,
+    *,
+    alpha_init: AlphaInit = 1.0,
+    beta_init: BetaInit = 0.0,
+    mu_init: float = 0.0,
+    key: jax.Array | None = None,
+) -> GGDPrior:
+    """Initial GGD parameters, following the reference code's options.
+
+    alpha_init: "slope" (exp(theta_alpha) = ALiBi slopes), "sampled" (theta_alpha drawn
+        from a standard normal) or a positive float, the value of exp(theta_alpha).
+    beta_init: "linear" (linspace(0, 1, H)), "sampled" (standard normal) or a float.
+    mu_init: the value of theta_mu for every head.
+    The defaults (1.0, 0.0) are the `uniform` prior: a constant bias, i.e. NoPE.
+    """
+    if key is None:
+        key = jax.random.key(0)
+    alpha_key, beta_key = jax.random.split(key)
+    if alpha_init == "slope":
+        theta_alpha = jnp.log(jnp.asarray(alibi_slopes(num_heads)))
+    elif alpha_init == "sampled":
+        theta_alpha = jax.random.normal(alpha_key, (num_heads,), jnp.float32)
+    elif isinstance(alpha_init, int | float) and alpha_init > 0:
+        theta_alpha = jnp.full((num_heads,), math.log(alpha_init), jnp.float32)
+    else:
+        raise ValueError(
+            f"alpha_init must be 'slope', 'sampled' or a positive number, got {alpha_init!r}"
+        )
+    if beta_init == "linear":
+        theta_beta = jnp.linspace(0.0, 1.0, num_heads, dtype=jnp.float32)
+    elif beta_init == "sampled":
+        theta_beta = jax.random.normal(beta_key, (num_heads,), jnp.float32)
+    elif isinstance(beta_init, int | float):
+        theta_beta = jnp.full((num_heads,), float(beta_init), jnp.float32)
+    else:
+        raise ValueError(f"beta_init must be 'linear', 'sampled' or a number, got {beta_init!r}")
+    theta_mu = jnp.full((num_heads,), float(mu_init), jnp.float32)
+    return GGDPrior(theta_alpha, theta_beta, theta_mu)
+
+
+PRIOR_PRESETS: dict[str, dict[str, float | str]] = {
+    "uniform": {"alpha_init": 1.0, "beta_init": 0.0},
+    "slope": {"alpha_init": "slope", "beta_init": 1.0},
+    "linear": {"alpha_init": "slope", "beta_init": "linear"},
+    "sampled": {"alpha_init": "sampled", "beta_init": "sampled"},
+}
