@@ -1,0 +1,178 @@
+"""Tokenisers behind one small protocol, all usable offline.
+
+- "mistral": the Mistral-7B v0.3 SentencePiece model (vocabulary 32768, BOS 1, EOS 2) that
+  ships inside the `mistral-common` package, so no hub download is needed.
+- "byte": UTF-8 bytes shifted by three special ids (pad 0, BOS 1, EOS 2); vocabulary 259.
+- a path to a SentencePiece `.model` file or a Hugging Face `tokenizer.json` file.
+
+`encode` never adds BOS/EOS; callers add them where a format asks for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+from typing import Protocol, runtime_checkable
+
+MISTRAL_V3_MODEL = "mistral_instruct_tokenizer_240323.model.v3"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    name: str
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model read from a file."""
+
+    def __init__(self, path: str, name: str | None = None):
+        import sentencepiece
+
+        if not os.path.isfile(path):
+            raise ValueError(f"tokenizer: SentencePiece model file {path!r} does not exist")
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.path = path
+        self.name = name or path
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.get_piece_size())
+
+    @property
+    def bos_id(self) -> int:
+        return int(self._sp.bos_id())
+
+    @property
+    def eos_id(self) -> int:
+        return int(self._sp.eos_id())
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.encode(text, out_type=int))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class ByteTokenizer:
+    """UTF-8 bytes; ids 0, 1, 2 are pad, BOS and EOS, byte b is id b + 3."""
+
+    name = "byte"
+    pad_id = 0
+    offset = 3
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + self.offset
+
+    @property
+    def bos_id(self) -> int:
+        return 1
+
+    @property
+    def eos_id(self) -> int:
+        return 2
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        data = bytes(int(i) - self.offset for i in ids if int(i) >= self.offset)
+        return data.decode("utf-8", errors="replace")
+
+
+class HuggingFaceTokenizer:
+    """A `tokenizer.json` file read with the `tokenizers` library (extra `hf`)."""
+
+    def __init__(self, path: str):
+        if importlib.util.find_spec("tokenizers") is None:
+            raise ValueError(
+                f"tokenizer: {path!r} is a tokenizer.json file, which needs the `tokenizers` "
+                "package (pip install 'bam-jax[hf]')"
+            )
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tok = HFTokenizer.from_file(path)
+        self.name = path
+        self._bos, self._eos = _hf_special_ids(path, self._tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _hf_special_ids(path: str, tok) -> tuple[int, int]:
+    """BOS/EOS ids from the usual token names; -1 where the file has none."""
+    with open(path, encoding="utf-8") as f:
+        added = {t["content"]: t["id"] for t in json.load(f).get("added_tokens", [])}
+
+    def find(*names: str) -> int:
+        for n in names:
+            if n in added:
+                return int(added[n])
+            token_id = tok.token_to_id(n)
+            if token_id is not None:
+                return int(token_id)
+        return -1
+
+    return find("<s>", "<|begin_of_text|>", "<bos>"), find(
+        "</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"
+    )
+
+
+def mistral_model_path() -> str:
+    """Path of the Mistral-7B v0.3 SentencePiece model inside the installed mistral_common."""
+    spec = importlib.util.find_spec("mistral_common")
+    if spec is None or spec.origin is None:
+        raise ValueError("tokenizer: 'mistral' needs the `mistral-common` package installed")
+    path = os.path.join(os.path.dirname(spec.origin), "data", MISTRAL_V3_MODEL)
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer: mistral_common has no {MISTRAL_V3_MODEL} at {path}")
+    return path
+
+
+@functools.lru_cache(maxsize=16)
+def get_tokenizer(spec: str = "mistral") -> Tokenizer:
+    """A tokeniser from "mistral", "byte", or a path to a .model / tokenizer.json file."""
+    if spec == "mistral":
+        return SentencePieceTokenizer(mistral_model_path(), name="mistral")
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec.endswith(".json"):
+        if not os.path.isfile(spec):
+            raise ValueError(f"tokenizer: file {spec!r} does not exist")
+        return HuggingFaceTokenizer(spec)
+    if os.path.isfile(spec):
+        return SentencePieceTokenizer(spec)
+    raise ValueError(
+        f"tokenizer: expected 'mistral', 'byte' or a path to a .model / tokenizer.json file, "
+        f"got {spec!r}"
+    )

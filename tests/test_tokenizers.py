@@ -1,0 +1,50 @@
+"""Tokenisers: offline Mistral v0.3, bytes, files by path, errors."""
+
+import importlib.util
+
+import pytest
+
+from bam_jax.tokenizers import ByteTokenizer, get_tokenizer, mistral_model_path
+
+TEXT = "The pass key is 12345. Remember it. Ünïcode too."
+
+
+def test_mistral_is_offline_v3_vocabulary():
+    tok = get_tokenizer("mistral")
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (32768, 1, 2)
+    ids = tok.encode(TEXT)
+    assert tok.bos_id not in ids and tok.eos_id not in ids
+    assert tok.decode(ids) == TEXT
+
+
+def test_model_file_by_path_matches_mistral():
+    by_path = get_tokenizer(mistral_model_path())
+    assert by_path.encode(TEXT) == get_tokenizer("mistral").encode(TEXT)
+
+
+def test_byte_tokenizer_round_trip():
+    tok = get_tokenizer("byte")
+    assert isinstance(tok, ByteTokenizer)
+    ids = tok.encode(TEXT)
+    assert min(ids) >= 3 and max(ids) < tok.vocab_size == 259
+    assert tok.decode([tok.bos_id, *ids, tok.eos_id]) == TEXT
+
+
+@pytest.mark.parametrize("spec", ["gpt9", "/nonexistent/tok.model", "/nonexistent/tokenizer.json"])
+def test_unknown_tokenizer_is_a_value_error(spec):
+    with pytest.raises(ValueError, match="tokenizer"):
+        get_tokenizer(spec)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
+def test_tokenizer_json_by_path(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hello": 3, "world": 4}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = str(tmp_path / "tokenizer.json")
+    hf.save(path)
+    tok = get_tokenizer(path)
+    assert tok.encode("hello world") == [3, 4]
+    assert (tok.bos_id, tok.eos_id) == (0, 1)
