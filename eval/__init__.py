@@ -1,0 +1,1 @@
+"""Evaluation pipelines: passkey retrieval, perplexity by position, prior inspection."""

@@ -1,0 +1,208 @@
+"""Passkey retrieval sweeps (spec section 10) over prompt lengths, with reusable results.
+
+Samples of one length are built deterministically from (seed, length), scored in batches
+through a `ChunkedScorer`, and stored per length; lengths already in the results file
+for the same settings are read back instead of recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from bam_jax.passkey import (
+    SAMPLINGS,
+    PasskeySample,
+    TextEncoder,
+    build_passkey_samples,
+    passkey_template,
+)
+from eval.chunked import ChunkedScorer, capacity_bucket
+from eval.results import ResultStore
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeySettings:
+    """Everything besides the length that changes a passkey result."""
+
+    sampling: str = "equidistant"
+    n_samples: int = 10
+    prefix_digits: int = 1
+    seed: int = 0
+    tokenizer: str = ""
+    checkpoint: str = ""
+
+    def __post_init__(self) -> None:
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}")
+        if self.n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+        if self.prefix_digits < 0:
+            raise ValueError(f"prefix_digits must be >= 0, got {self.prefix_digits}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def samples_for_length(
+    tokenizer: TextEncoder, target_length: int, settings: PasskeySettings
+) -> list[PasskeySample]:
+    """The samples of one length: the same for every run with the same settings."""
+    rng = np.random.default_rng([settings.seed, target_length])
+    return build_passkey_samples(
+        tokenizer,
+        target_length,
+        settings.n_samples,
+        sampling=settings.sampling,
+        rng=rng,
+        prefix_digits=settings.prefix_digits,
+    )
+
+
+def stack_samples(samples: Sequence[PasskeySample]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded tokens [B, T] and score positions [B, 5] of a batch of samples."""
+    length = max(len(s.tokens) for s in samples)
+    tokens_BxT = np.zeros((len(samples), length), np.int32)
+    for row, s in enumerate(samples):
+        tokens_BxT[row, : len(s.tokens)] = s.tokens
+    positions_BxK = np.stack([s.score_positions for s in samples])
+    return tokens_BxT, positions_BxK
+
+
+def score_samples(
+    scorer: ChunkedScorer, samples: Sequence[PasskeySample]
+) -> tuple[list[bool], np.ndarray]:
+    """Greedy teacher-forced predictions of each key's last digits; correct = all match."""
+    tokens_BxT, positions_BxK = stack_samples(samples)
+    logits_BxKxV = scorer.logits_at(tokens_BxT, positions_BxK)
+    predicted_BxK = logits_BxKxV.argmax(-1)
+    answers_BxK = np.stack([s.answer_tokens for s in samples])
+    correct = [bool(c) for c in (predicted_BxK == answers_BxK).all(-1)]
+    return correct, predicted_BxK
+
+
+def auto_batch_size(
+    n_samples: int, cache_bytes_per_slot: int, capacity: int, memory_budget_bytes: int
+) -> int:
+    """Samples per batch: as many as fit the budget (cache dominates), at least one."""
+    per_row = max(1, cache_bytes_per_slot * capacity)
+    return int(max(1, min(n_samples, memory_budget_bytes // per_row)))
+
+
+def _length_entry(
+    samples: Sequence[PasskeySample],
+    correct: list[bool],
+    predicted_BxK: np.ndarray,
+    tokenizer: TextEncoder,
+    seconds: float,
+    batch_size: int,
+    train_length: int | None,
+) -> dict[str, Any]:
+    n_filler = samples[0].n_filler
+    return {
+        "target_length": samples[0].target_length,
+        "multiple": samples[0].target_length / train_length if train_length else None,
+        "prompt_length": max(s.prompt_length for s in samples),
+        "n_filler": n_filler,
+        "filler_before": [s.filler_before for s in samples],
+        "depths": [s.filler_before / n_filler if n_filler else 0.0 for s in samples],
+        "keys": [s.key for s in samples],
+        "predicted": [tokenizer.decode(row.tolist()) for row in predicted_BxK],
+        "correct": correct,
+        "accuracy": float(np.mean(correct)),
+        "seconds_per_sample": seconds / len(samples),
+        "batch_size": batch_size,
+    }
+
+
+def evaluate_passkey(
+    scorer: ChunkedScorer,
+    tokenizer: TextEncoder,
+    lengths: Sequence[int],
+    settings: PasskeySettings,
+    store: ResultStore,
+    *,
+    patience: int | None = None,
+    batch_size: int | None = None,
+    cache_bytes_per_slot: int = 0,
+    memory_budget_bytes: int = 4 << 30,
+    train_length: int | None = None,
+    progress: bool = True,
+    label: str = "",
+) -> list[dict[str, Any]]:
+    """Accuracy per length (ascending), computing only lengths not yet in ``store``.
+
+    Stops after ``patience`` consecutive lengths at 0% (stored ones count too).
+    ``batch_size`` None picks the largest batch whose cache fits ``memory_budget_bytes``.
+    """
+    template = passkey_template(tokenizer, prefix_digits=settings.prefix_digits)
+    lengths = sorted(set(int(n) for n in lengths))
+    for n in lengths:
+        template.n_filler(n)  # a length below the prompt's minimum fails before any work
+    todo = [n for n in lengths if store.get(settings.as_dict(), str(n)) is None]
+    bar = tqdm(
+        total=len(todo) * settings.n_samples,
+        disable=not progress or not todo,
+        desc=f"passkey {label}".strip(),
+        unit="sample",
+    )
+    results, zero_streak = [], 0
+    for n in lengths:
+        entry = store.get(settings.as_dict(), str(n))
+        if entry is None:
+            entry = _run_length(
+                scorer,
+                tokenizer,
+                n,
+                settings,
+                batch_size,
+                cache_bytes_per_slot,
+                memory_budget_bytes,
+                train_length,
+                bar,
+            )
+            store.put(settings.as_dict(), str(n), entry)
+        results.append(entry)
+        zero_streak = zero_streak + 1 if entry["accuracy"] == 0.0 else 0
+        if patience is not None and zero_streak >= patience:
+            break
+    bar.close()
+    return results
+
+
+def _run_length(
+    scorer: ChunkedScorer,
+    tokenizer: TextEncoder,
+    target_length: int,
+    settings: PasskeySettings,
+    batch_size: int | None,
+    cache_bytes_per_slot: int,
+    memory_budget_bytes: int,
+    train_length: int | None,
+    bar: tqdm,
+) -> dict[str, Any]:
+    samples = samples_for_length(tokenizer, target_length, settings)
+    if batch_size is None:
+        capacity = capacity_bucket(len(samples[0].tokens), scorer.chunk_size)
+        batch_size = auto_batch_size(
+            len(samples), cache_bytes_per_slot, capacity, memory_budget_bytes
+        )
+    correct: list[bool] = []
+    predicted: list[np.ndarray] = []
+    start = time.perf_counter()
+    for i in range(0, len(samples), batch_size):
+        batch = samples[i : i + batch_size]
+        batch_correct, batch_predicted = score_samples(scorer, batch)
+        correct += batch_correct
+        predicted.append(batch_predicted)
+        bar.update(len(batch))
+        bar.set_postfix(length=target_length, acc=f"{np.mean(correct):.0%}")
+    seconds = time.perf_counter() - start
+    return _length_entry(
+        samples, correct, np.concatenate(predicted), tokenizer, seconds, batch_size, train_length
+    )
