@@ -1,6 +1,18 @@
 """bam_jax: the Bayesian Attention Mechanism in JAX/Flax."""
 
 from bam_jax.attention import PADDING_SEGMENT, dot_product_attention, reference_attention
+from bam_jax.config import ENCODINGS, ModelConfig
+from bam_jax.inference import KVCache, decode_step, generate, init_cache, prefill
+from bam_jax.model import (
+    Attention,
+    PriorConstant,
+    PriorParam,
+    SSMaxParam,
+    Transformer,
+    convert_layout,
+    count_params,
+)
+from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
 from bam_jax.priors import (
     PRIOR_PRESETS,
     AlibiPrior,
@@ -11,13 +23,30 @@ from bam_jax.priors import (
 )
 
 __all__ = [
+    "ENCODINGS",
     "PADDING_SEGMENT",
     "PRIOR_PRESETS",
     "AlibiPrior",
+    "Attention",
     "GGDPrior",
+    "KVCache",
+    "ModelConfig",
+    "PriorConstant",
+    "PriorParam",
+    "SSMaxParam",
+    "Transformer",
+    "alibi_prior",
     "alibi_slopes",
+    "apply_rope",
+    "convert_layout",
+    "count_params",
+    "decode_step",
     "dot_product_attention",
+    "generate",
     "ggd_bias",
+    "init_cache",
     "init_ggd_prior",
+    "prefill",
     "reference_attention",
+    "sinusoidal_embedding",
 ]

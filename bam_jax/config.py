@@ -1,0 +1,194 @@
+"""Model configuration: one frozen dataclass, validated on construction, plus size presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+ENCODINGS = (
+    "nope",
+    "sinusoidal",
+    "rope",
+    "rope_local",
+    "alibi",
+    "bam",
+    "nope_ssmax",
+    "sinusoidal_ssmax",
+    "rope_ssmax",
+    "alibi_ssmax",
+    "bam_ssmax",
+)
+DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLEMENTATIONS = ("reference", "blockwise")
+ALPHA_INIT_MODES = ("slope", "sampled")
+BETA_INIT_MODES = ("linear", "sampled")
+
+# dim, n_layers, n_heads of the paper's model sizes (spec section 7).
+_PAPER_SIZES: dict[str, tuple[int, int, int]] = {
+    "l6": (512, 6, 16),
+    "l8": (768, 8, 16),
+    "l12": (768, 12, 16),
+    "l15": (1152, 15, 24),
+    "l18": (1536, 18, 32),
+    "l24": (2048, 24, 64),
+}
+_SMALL_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 256},
+    "micro": {"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 64, "max_seq_len": 32},
+}
+PRESETS = tuple(_PAPER_SIZES) + tuple(_SMALL_SIZES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder with one of the positional encodings of the BAM paper.
+
+    Prior fields apply to the "bam" encodings: `prior_alpha_init` is the initial value of
+    exp(theta_alpha) ("slope" = ALiBi slopes, "sampled" = log-normal draws, or a positive
+    number); `prior_beta_init` the initial theta_beta ("linear" = linspace(0, 1, H),
+    "sampled" = standard normal, or a number); `prior_mu_init` the initial theta_mu. The
+    defaults are the "uniform" prior (starts as NoPE). `global_prior` shares one prior
+    across layers; otherwise every layer has its own.
+    """
+
+    vocab_size: int = 32768
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 16
+    n_kv_heads: int | None = None
+    ffn_dim_multiplier: float = 2.0
+    multiple_of: int = 1
+    norm_eps: float = 1e-5
+    max_seq_len: int = 512
+    encoding: str = "bam_ssmax"
+    global_prior: bool = True
+    prior_alpha_init: str | float = 1.0
+    prior_beta_init: str | float = 0.0
+    prior_mu_init: float = 0.0
+    train_prior_alpha: bool = True
+    train_prior_beta: bool = True
+    train_prior_mu: bool = False
+    train_ssmax_scale: bool = True
+    ssmax_prior_inside: bool = True
+    rope_theta: float = 500000.0
+    sinusoidal_theta: float = 10000.0
+    local_window: int | None = None
+    dtype: str = "float32"
+    attention_impl: str = "reference"
+    block_q: int = 512
+    block_k: int = 512
+    remat: bool = False
+    scan_layers: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("block_q", "block_k"):
+            _check_positive_int(name, getattr(self, name))
+        if self.n_kv_heads is not None:
+            _check_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.local_window is not None:
+            _check_positive_int("local_window", self.local_window)
+        for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta", "sinusoidal_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, got {self.encoding!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim % 2 and self.base_encoding in ("rope", "rope_local"):
+            raise ValueError(f"dim / n_heads must be even for rope, got head_dim {self.head_dim}")
+        if self.dim % 2 and self.base_encoding == "sinusoidal":
+            raise ValueError(f"dim must be even for sinusoidal, got {self.dim}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                f"got {self.attention_impl!r}"
+            )
+        _check_init("prior_alpha_init", self.prior_alpha_init, ALPHA_INIT_MODES, positive=True)
+        _check_init("prior_beta_init", self.prior_beta_init, BETA_INIT_MODES, positive=False)
+        if not isinstance(self.prior_mu_init, int | float) or isinstance(self.prior_mu_init, bool):
+            raise ValueError(f"prior_mu_init must be a number, got {self.prior_mu_init!r}")
+        for field in dataclasses.fields(self):
+            if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
+                raise ValueError(f"{field.name} must be a bool, got {getattr(self, field.name)!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(self.ffn_dim_multiplier * self.dim)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    @property
+    def ssmax(self) -> bool:
+        return self.encoding.endswith("_ssmax")
+
+    @property
+    def base_encoding(self) -> str:
+        """The encoding without the SSMax suffix: nope, sinusoidal, rope, rope_local, alibi, bam."""
+        return self.encoding.removesuffix("_ssmax")
+
+    @property
+    def window(self) -> int | None:
+        """Attention window of rope_local (keys farther than this are masked), else None."""
+        if self.base_encoding != "rope_local":
+            return None
+        return self.max_seq_len if self.local_window is None else self.local_window
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named size: "l6", "l8", "l12", "l15", "l18", "l24" (paper) or "tiny", "micro"."""
+        if name in _PAPER_SIZES:
+            dim, n_layers, n_heads = _PAPER_SIZES[name]
+            fields: dict[str, Any] = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads}
+        elif name in _SMALL_SIZES:
+            fields = dict(_SMALL_SIZES[name])
+        else:
+            raise ValueError(f"preset name must be one of {PRESETS}, got {name!r}")
+        fields.update(overrides)
+        return cls(**fields)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {unknown}")
+        return cls(**d)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_init(name: str, value: Any, modes: tuple[str, ...], *, positive: bool) -> None:
+    if isinstance(value, str):
+        if value not in modes:
+            raise ValueError(f"{name} must be one of {modes} or a number, got {value!r}")
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{name} must be one of {modes} or a number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be positive (it is exp(theta_alpha)), got {value!r}")

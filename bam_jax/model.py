@@ -1,0 +1,385 @@
+"""The BAM model zoo: a Llama-style decoder in Flax NNX with every positional encoding.
+
+Transformer(config) maps tokens [B, T] to float32 logits [B, T, V]. The module tree
+mirrors the reference code's parameter names: tok_embeddings, layers[i].attention.{wq,
+wk, wv, wo, seq_scale, prior}, layers[i].feed_forward.{w1, w2, w3},
+layers[i].{attention_norm, ffn_norm}, norm, output and, for a global BAM prior, prior.
+Linear kernels are [in, out] (the transpose of torch's weight).
+
+Variable types: trainable prior parameters are `PriorParam`, SSMax scales `SSMaxParam`
+(both `nnx.Param`), frozen ones `PriorConstant` (an `nnx.Variable`, so optimizers that
+filter on `nnx.Param` skip them). Every variable carries logical axis names as
+`out_sharding` metadata (not applied eagerly; a sharding table maps them to a mesh).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bam_jax.attention import dot_product_attention
+from bam_jax.config import ModelConfig
+from bam_jax.inference import KVCache
+from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
+from bam_jax.priors import GGDPrior, Prior, init_ggd_prior
+
+Axes = tuple[str | None, ...]
+KV = tuple[jax.Array, jax.Array]
+
+
+class PriorParam(nnx.Param):
+    """A trainable parameter of a positional prior (never weight-decayed)."""
+
+
+class SSMaxParam(nnx.Param):
+    """A trainable Scalable-Softmax scale s_h (never weight-decayed)."""
+
+
+class PriorConstant(nnx.Variable):
+    """A frozen positional parameter (prior or SSMax scale): stored, not trained."""
+
+
+def _torch_linear_init(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for an [in, out] kernel, torch.nn.Linear's default."""
+    return jax.nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")(key, shape, dtype)
+
+
+def _annotated(init: Callable, axes: Axes) -> Callable:
+    return nnx.with_metadata(init, out_sharding=axes, eager_sharding=False)
+
+
+def _linear(in_dim: int, out_dim: int, axes: Axes, config: ModelConfig, rngs: nnx.Rngs):
+    return nnx.Linear(
+        in_dim,
+        out_dim,
+        use_bias=False,
+        dtype=jnp.dtype(config.dtype),
+        param_dtype=jnp.float32,
+        kernel_init=_annotated(_torch_linear_init, axes),
+        rngs=rngs,
+    )
+
+
+def _positional_variable(value: jax.Array, trainable: bool, param_type: type) -> nnx.Variable:
+    variable_type = param_type if trainable else PriorConstant
+    return variable_type(value, out_sharding=(None,), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, normalised in float32, returned in the compute dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(
+            jnp.ones((dim,), jnp.float32), out_sharding=("norm",), eager_sharding=False
+        )
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        x = x_BxTxD.astype(jnp.float32)
+        normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(self.dtype) * self.weight[...].astype(self.dtype)
+
+
+class AttentionPrior(nnx.Module):
+    """The GGD prior's per-head parameters theta_alpha, theta_beta, theta_mu, each [H]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        initial = init_ggd_prior(
+            config.n_heads,
+            alpha_init=config.prior_alpha_init,
+            beta_init=config.prior_beta_init,
+            mu_init=config.prior_mu_init,
+            key=rngs.params(),
+        )
+        self.theta_alpha = _positional_variable(
+            initial.theta_alpha_H, config.train_prior_alpha, PriorParam
+        )
+        self.theta_beta = _positional_variable(
+            initial.theta_beta_H, config.train_prior_beta, PriorParam
+        )
+        self.theta_mu = _positional_variable(initial.theta_mu_H, config.train_prior_mu, PriorParam)
+
+    def __call__(self) -> GGDPrior:
+        return GGDPrior(self.theta_alpha[...], self.theta_beta[...], self.theta_mu[...])
+
+
+class Attention(nnx.Module):
+    """Multi-head (or grouped-query) attention with the configured positional encoding.
+
+    Standalone use: `attention(x_BxTxD, segment_ids_BxT=None)`. For a BAM model with a
+    global prior the prior is passed in by the Transformer (`prior=`).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        q_dim, kv_dim = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+        self.wq = _linear(config.dim, q_dim, ("embed", "q_heads"), config, rngs)
+        self.wk = _linear(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
+        self.wv = _linear(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
+        self.wo = _linear(q_dim, config.dim, ("q_heads", "embed"), config, rngs)
+        self.seq_scale = (
+            _positional_variable(
+                jnp.ones((config.n_heads,), jnp.float32), config.train_ssmax_scale, SSMaxParam
+            )
+            if config.ssmax
+            else None
+        )
+        per_layer_prior = config.base_encoding == "bam" and not config.global_prior
+        self.prior = AttentionPrior(config, rngs=rngs) if per_layer_prior else None
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        *,
+        segment_ids_BxT: jax.Array | None = None,
+        prior: Prior | None = None,
+        kv: KV | None = None,
+        cache_length: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, KV]:
+        """Output [B, T, D]; with `kv` (the layer's cache buffers) also the updated buffers."""
+        cfg = self.config
+        batch, length, _ = x_BxTxD.shape
+        q_BxTxHxK = self.wq(x_BxTxD).reshape(batch, length, cfg.n_heads, cfg.head_dim)
+        k_BxTxGxK = self.wk(x_BxTxD).reshape(batch, length, cfg.kv_heads, cfg.head_dim)
+        v_BxTxGxK = self.wv(x_BxTxD).reshape(batch, length, cfg.kv_heads, cfg.head_dim)
+        offset = jnp.int32(0) if cache_length is None else cache_length
+        if cfg.base_encoding in ("rope", "rope_local"):
+            positions_T = offset + jnp.arange(length, dtype=jnp.int32)
+            q_BxTxHxK = apply_rope(q_BxTxHxK, positions_T, theta=cfg.rope_theta)
+            k_BxTxGxK = apply_rope(k_BxTxGxK, positions_T, theta=cfg.rope_theta)
+        if kv is not None:
+            start = (0, offset, 0, 0)
+            keys = jax.lax.dynamic_update_slice(kv[0], k_BxTxGxK.astype(kv[0].dtype), start)
+            values = jax.lax.dynamic_update_slice(kv[1], v_BxTxGxK.astype(kv[1].dtype), start)
+        else:
+            keys, values = k_BxTxGxK, v_BxTxGxK
+        out_BxTxHxK = dot_product_attention(
+            q_BxTxHxK,
+            keys.astype(q_BxTxHxK.dtype),
+            values.astype(q_BxTxHxK.dtype),
+            prior=self._prior(prior),
+            ssmax_scale_H=None if self.seq_scale is None else self.seq_scale[...],
+            # The SSMax baselines scale only the content term; ALiBi's bias comes after.
+            ssmax_prior_inside=cfg.ssmax_prior_inside and cfg.base_encoding == "bam",
+            query_segment_ids_BxT=segment_ids_BxT,
+            key_segment_ids_BxS=segment_ids_BxT,
+            query_offset=offset,
+            causal=True,
+            window=cfg.window,
+            implementation=cfg.attention_impl,
+            block_q=cfg.block_q,
+            block_k=cfg.block_k,
+        )
+        out_BxTxD = self.wo(out_BxTxHxK.reshape(batch, length, cfg.n_heads * cfg.head_dim))
+        return out_BxTxD if kv is None else (out_BxTxD, (keys, values))
+
+    def _prior(self, prior: Prior | None) -> Prior | None:
+        base = self.config.base_encoding
+        if base == "alibi":
+            return alibi_prior(self.config.n_heads)
+        if base != "bam":
+            return None
+        if self.prior is not None:
+            return self.prior()
+        if prior is None:
+            raise ValueError("a BAM model with a global prior needs the prior passed as prior=")
+        return prior
+
+
+class FeedForward(nnx.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        hidden = config.ffn_hidden_dim
+        self.w1 = _linear(config.dim, hidden, ("embed", "mlp"), config, rngs)
+        self.w2 = _linear(hidden, config.dim, ("mlp", "embed"), config, rngs)
+        self.w3 = _linear(config.dim, hidden, ("embed", "mlp"), config, rngs)
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        return self.w2(jax.nn.silu(self.w1(x_BxTxD)) * self.w3(x_BxTxD))
+
+
+class TransformerBlock(nnx.Module):
+    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.attention = Attention(config, rngs=rngs)
+        self.feed_forward = FeedForward(config, rngs=rngs)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps, dtype)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, dtype)
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        segment_ids_BxT: jax.Array | None,
+        prior: Prior | None,
+        kv: KV | None,
+        cache_length: jax.Array | None,
+    ) -> tuple[jax.Array, KV | None]:
+        attended = self.attention(
+            self.attention_norm(x_BxTxD),
+            segment_ids_BxT=segment_ids_BxT,
+            prior=prior,
+            kv=kv,
+            cache_length=cache_length,
+        )
+        if kv is not None:
+            attended, kv = attended
+        h_BxTxD = x_BxTxD + attended
+        return h_BxTxD + self.feed_forward(self.ffn_norm(h_BxTxD)), kv
+
+
+def _apply_block(
+    block: TransformerBlock,
+    x_BxTxD: jax.Array,
+    segment_ids_BxT: jax.Array | None,
+    prior: Prior | None,
+    kv: KV | None,
+    cache_length: jax.Array | None,
+) -> tuple[jax.Array, KV | None]:
+    return block(x_BxTxD, segment_ids_BxT, prior, kv, cache_length)
+
+
+def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> TransformerBlock:
+    """n_layers blocks whose variables carry a leading "layers" axis (for scan_layers)."""
+
+    @nnx.split_rngs(splits=config.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs: nnx.Rngs) -> TransformerBlock:
+        return TransformerBlock(config, rngs=rngs)
+
+    return create(rngs)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model; see the module docstring for the parameter tree.
+
+    model(tokens_BxT, segment_ids_BxT=None) -> float32 logits [B, T, V]. Segment ids are
+    document ids (any non-negative int); a negative id marks padding.
+    model(tokens_BxC, cache=cache, num_valid=None) -> (logits [B, C, V], new cache): the
+    chunk is written at cache.length; only its first `num_valid` tokens (default all)
+    count towards the new length.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None):
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.config = config
+        self.tok_embeddings = nnx.Embed(
+            config.vocab_size,
+            config.dim,
+            dtype=jnp.float32,
+            param_dtype=jnp.float32,
+            embedding_init=_annotated(jax.nn.initializers.normal(1.0), ("vocab", "embed")),
+            rngs=rngs,
+        )
+        if config.scan_layers:
+            self.layers = _stacked_blocks(config, rngs)
+        else:
+            self.layers = nnx.List(
+                [TransformerBlock(config, rngs=rngs) for _ in range(config.n_layers)]
+            )
+        self.norm = RMSNorm(config.dim, config.norm_eps, jnp.dtype(config.dtype))
+        self.output = _linear(config.dim, config.vocab_size, ("embed", "vocab"), config, rngs)
+        global_prior = config.base_encoding == "bam" and config.global_prior
+        self.prior = AttentionPrior(config, rngs=rngs) if global_prior else None
+
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        segment_ids_BxT: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        num_valid: int | jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
+        cfg = self.config
+        if tokens_BxT.ndim != 2:
+            raise ValueError(f"tokens_BxT must be [batch, length], got shape {tokens_BxT.shape}")
+        if segment_ids_BxT is not None and segment_ids_BxT.shape != tokens_BxT.shape:
+            raise ValueError(
+                f"segment_ids_BxT {segment_ids_BxT.shape} must match tokens {tokens_BxT.shape}"
+            )
+        if cache is not None and segment_ids_BxT is not None:
+            raise ValueError("segment_ids_BxT is not supported together with a cache")
+        if cache is None and num_valid is not None:
+            raise ValueError("num_valid only applies to a forward with a cache")
+        length = tokens_BxT.shape[1]
+        offset = None if cache is None else cache.length
+
+        h_BxTxD = self.tok_embeddings(tokens_BxT)
+        if cfg.base_encoding == "sinusoidal":
+            positions_T = jnp.arange(length, dtype=jnp.int32)
+            if offset is not None:
+                positions_T = positions_T + offset
+            h_BxTxD = h_BxTxD + sinusoidal_embedding(
+                positions_T, cfg.dim, theta=cfg.sinusoidal_theta
+            )
+        h_BxTxD = h_BxTxD.astype(cfg.dtype)
+        prior = None if self.prior is None else self.prior()
+
+        if cfg.scan_layers:
+            h_BxTxD, kv = self._scan_layers(h_BxTxD, segment_ids_BxT, prior, cache)
+        else:
+            h_BxTxD, kv = self._unrolled_layers(h_BxTxD, segment_ids_BxT, prior, cache)
+
+        logits_BxTxV = self.output(self.norm(h_BxTxD)).astype(jnp.float32)
+        if cache is None:
+            return logits_BxTxV
+        added = length if num_valid is None else num_valid
+        new_cache = KVCache(keys=kv[0], values=kv[1], length=cache.length + added)
+        return logits_BxTxV, new_cache
+
+    def _block_fn(self) -> Callable:
+        return nnx.remat(_apply_block) if self.config.remat else _apply_block
+
+    def _unrolled_layers(self, h_BxTxD, segment_ids_BxT, prior, cache):
+        apply = self._block_fn()
+        offset = None if cache is None else cache.length
+        keys, values = [], []
+        for i, block in enumerate(self.layers):
+            kv = None if cache is None else (cache.keys[i], cache.values[i])
+            h_BxTxD, kv = apply(block, h_BxTxD, segment_ids_BxT, prior, kv, offset)
+            if kv is not None:
+                keys.append(kv[0])
+                values.append(kv[1])
+        if cache is None:
+            return h_BxTxD, None
+        return h_BxTxD, (jnp.stack(keys), jnp.stack(values))
+
+    def _scan_layers(self, h_BxTxD, segment_ids_BxT, prior, cache):
+        apply = self._block_fn()
+        offset = None if cache is None else cache.length
+        kv = None if cache is None else (cache.keys, cache.values)
+
+        @nnx.scan(in_axes=(0, nnx.Carry, None, None, 0, None), out_axes=(nnx.Carry, 0))
+        def run(block, h_BxTxD, segment_ids_BxT, prior, kv, offset):
+            return apply(block, h_BxTxD, segment_ids_BxT, prior, kv, offset)
+
+        return run(self.layers, h_BxTxD, segment_ids_BxT, prior, kv, offset)
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of scalars in all variables of the model (trainable or not)."""
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+
+
+def convert_layout(model: Transformer, *, scan_layers: bool) -> Transformer:
+    """The same weights in the other layer layout (stacked for scan, or a list of blocks)."""
+    config = model.config.replace(scan_layers=scan_layers)
+    converted = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    weights = nnx.to_pure_dict(nnx.state(model))
+    layers = weights.pop("layers")
+    if model.config.scan_layers and not scan_layers:
+        layers = {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(config.n_layers)}
+    elif scan_layers and not model.config.scan_layers:
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in range(len(layers))))
+    weights["layers"] = layers
+    state = nnx.state(converted)
+    nnx.replace_by_pure_dict(state, weights)
+    nnx.update(converted, state)
+    return converted
