@@ -1,0 +1,388 @@
+"""Import/export of reference checkpoints against the numpy oracle of the reference model.
+
+Fixtures write reference-layout run directories (args.json + model.npz with random
+weights in the torch layout, key prefixes included) for all eleven encodings, global and
+per-layer BAM priors and both prior namings; no torch is needed except for the model.pt
+round trip, which is skipped when torch is absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reference_numpy import reference_forward
+
+from bam_jax.reference_checkpoint import (
+    NUMPY_FILE,
+    TORCH_FILE,
+    export_reference_checkpoint,
+    load_reference_checkpoint,
+    reference_args,
+    strip_prefixes,
+)
+
+TOL = 1e-4
+DIM, LAYERS, HEADS, VOCAB, LENGTH = 32, 2, 4, 64, 17
+SEQ_CODES_BxT = np.array([[0] * 5 + [1] * 7 + [2] * 5, [3] * 10 + [4] * 7], np.int32)
+PREFIXES = ("", "module.", "_orig_mod.", "module._orig_mod.")
+LEGACY = {"theta_alpha": "scale", "theta_beta": "shape", "theta_mu": "loc"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    encoding: str  # the reference's position_encoding name
+    global_prior: bool = True
+    legacy_names: bool = False
+    n_kv_heads: int | None = None
+    ffn_dim_multiplier: float | None = 2.0
+    multiple_of: int = 1
+    max_seq_len: int = 8  # < LENGTH: rope_local's window masks, tables are recomputed
+    prefix: str = ""
+
+    @property
+    def id(self) -> str:
+        parts = [self.encoding]
+        if self.encoding.startswith("bam"):
+            parts += ["global" if self.global_prior else "layer"]
+            parts += ["legacy" if self.legacy_names else "theta"]
+        if self.n_kv_heads:
+            parts.append(f"gqa{self.n_kv_heads}")
+        if self.ffn_dim_multiplier is None:
+            parts.append("ffn_none")
+        return "-".join(parts)
+
+
+def _cases() -> list[Case]:
+    cases = [
+        Case(name)
+        for name in (
+            "nope",
+            "nope_ssmax",
+            "sinusoidal",
+            "sinusoidal_ssmax",
+            "rotary",
+            "rotary_ssmax",
+            "rotary_local",
+            "alibi",
+            "alibi_ssmax",
+        )
+    ]
+    cases += [
+        Case(name, global_prior=g, legacy_names=legacy)
+        for name in ("bam", "bam_ssmax")
+        for g in (True, False)
+        for legacy in (False, True)
+    ]
+    cases += [
+        Case("bam_ssmax", global_prior=False, n_kv_heads=2),
+        Case("rotary", ffn_dim_multiplier=None, multiple_of=24, max_seq_len=32),
+    ]
+    return [dataclasses.replace(c, prefix=PREFIXES[i % len(PREFIXES)]) for i, c in enumerate(cases)]
+
+
+CASES = _cases()
+
+
+def make_run(case: Case, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
+    """(args.json dict, state dict in the torch layout with prefixed keys)."""
+    rng = np.random.default_rng(seed)
+    kv_heads = case.n_kv_heads or HEADS
+    head_dim = DIM // HEADS
+    hidden = DIM if case.ffn_dim_multiplier is None else int(case.ffn_dim_multiplier * DIM)
+    hidden = case.multiple_of * math.ceil(hidden / case.multiple_of)
+
+    def linear(out_dim: int, in_dim: int) -> np.ndarray:
+        bound = 1 / math.sqrt(in_dim)
+        return rng.uniform(-bound, bound, (out_dim, in_dim)).astype(np.float32)
+
+    def per_head(mean: float, std: float) -> np.ndarray:
+        return (mean + std * rng.standard_normal((1, HEADS, 1, 1))).astype(np.float32)
+
+    def prior(prefix: str) -> dict[str, np.ndarray]:
+        values = {
+            "theta_alpha": per_head(-1.0, 0.5),
+            # Shapes from negative ("retrieval" heads) to above one; nonzero locations.
+            "theta_beta": np.linspace(-0.6, 1.7, HEADS, dtype=np.float32).reshape(1, -1, 1, 1),
+            "theta_mu": per_head(0.0, 0.5),
+        }
+        name = (lambda k: LEGACY[k]) if case.legacy_names else (lambda k: k)
+        return {f"{prefix}prior.{name(k)}": v for k, v in values.items()}
+
+    state = {"tok_embeddings.weight": rng.standard_normal((VOCAB, DIM)).astype(np.float32)}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        state |= {
+            p + "attention.wq.weight": linear(HEADS * head_dim, DIM),
+            p + "attention.wk.weight": linear(kv_heads * head_dim, DIM),
+            p + "attention.wv.weight": linear(kv_heads * head_dim, DIM),
+            p + "attention.wo.weight": linear(DIM, HEADS * head_dim),
+            p + "feed_forward.w1.weight": linear(hidden, DIM),
+            p + "feed_forward.w2.weight": linear(DIM, hidden),
+            p + "feed_forward.w3.weight": linear(hidden, DIM),
+            p + "attention_norm.weight": (1 + 0.2 * rng.standard_normal(DIM)).astype(np.float32),
+            p + "ffn_norm.weight": (1 + 0.2 * rng.standard_normal(DIM)).astype(np.float32),
+        }
+        if case.encoding.endswith("_ssmax"):
+            state[p + "attention.seq_scale"] = per_head(1.0, 0.3)
+        if case.encoding.startswith("bam") and not case.global_prior:
+            state |= prior(p + "attention.")
+    state |= {
+        "norm.weight": (1 + 0.2 * rng.standard_normal(DIM)).astype(np.float32),
+        "output.weight": linear(VOCAB, DIM),
+    }
+    if case.encoding.startswith("bam") and case.global_prior:
+        state |= prior("")
+    return _run_args(case), {case.prefix + k: v for k, v in state.items()}
+
+
+def _run_args(case: Case) -> dict:
+    """args.json as the reference's train.py writes it: vars() of its ModelArgs."""
+    model_args = {
+        "dim": DIM,
+        "n_layers": LAYERS,
+        "n_heads": HEADS,
+        "n_kv_heads": case.n_kv_heads,
+        "vocab_size": VOCAB,
+        "multiple_of": case.multiple_of,
+        "ffn_dim_multiplier": case.ffn_dim_multiplier,
+        "norm_eps": 1e-5,
+        "max_batch_size": 32,
+        "max_seq_len": case.max_seq_len,
+    }
+    if case.encoding.startswith("rotary"):
+        model_args["rope_theta"] = 500000
+    if case.encoding.startswith("sinusoidal"):
+        model_args["sinusoidal_theta"] = 10000
+    if case.encoding.startswith("bam") and case.legacy_names:
+        model_args |= {
+            "shape_init": 1,
+            "scale_init": "slope",
+            "loc_init": 0,
+            "train_shape": True,
+            "train_scale": True,
+            "train_loc": False,
+            "global_positional_encoding": case.global_prior,
+        }
+    elif case.encoding.startswith("bam"):
+        model_args |= {
+            "thata_beta_init": "0",
+            "theta_alpha_init": "0",
+            "theta_mu_init": "0",
+            "train_theta_beta": True,
+            "train_theta_alpha": True,
+            "train_theta_mu": False,
+            # An unset --global_prior flag is written as null and means per-layer priors.
+            "global_positional_encoding": True if case.global_prior else None,
+        }
+    if case.encoding.endswith("_ssmax"):
+        model_args["seq_scale"] = True
+    args = {"position_encoding": case.encoding, "model_size": "test", "sequence_length": 8}
+    return {"args": args, "dataset_args": {}, "model_args": model_args}
+
+
+def write_run(directory: Path, run_args: dict, state: dict[str, np.ndarray]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "args.json").write_text(json.dumps(run_args, indent=4))
+    np.savez(directory / NUMPY_FILE, **state)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
+    root = tmp_path_factory.mktemp("reference_runs")
+    out = {}
+    for i, case in enumerate(CASES):
+        run_args, state = make_run(case, seed=i)
+        out[case.id] = (write_run(root / case.id, run_args, state), run_args, state)
+    return out
+
+
+def _tokens(seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, (2, LENGTH), dtype=np.int32)
+
+
+def _logits(model, tokens: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
+    import jax.numpy as jnp
+
+    segments = None if segment_ids is None else jnp.asarray(segment_ids)
+    return np.asarray(model(jnp.asarray(tokens), segments))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_loaded_model_matches_reference(case: Case, runs, tmp_path):
+    run_dir, run_args, state = runs[case.id]
+    config, model = load_reference_checkpoint(run_dir)
+    tokens = _tokens()
+    for segments in (None, SEQ_CODES_BxT):
+        expected = reference_forward(state, run_args, tokens, segments)
+        got = _logits(model, tokens, segments)
+        assert got.dtype == np.float32 and got.shape == (2, LENGTH, VOCAB)
+        np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+    naming = "legacy" if case.legacy_names else "theta"
+    export_reference_checkpoint(model, config, tmp_path, fmt="npz", prior_naming=naming)
+    with np.load(tmp_path / NUMPY_FILE) as exported:
+        assert sorted(exported.files) == sorted(strip_prefixes(k) for k in state)
+        for key, value in state.items():
+            np.testing.assert_array_equal(exported[strip_prefixes(key)], value, strict=True)
+    config_again, model_again = load_reference_checkpoint(tmp_path)
+    np.testing.assert_array_equal(
+        _logits(model_again, tokens, SEQ_CODES_BxT), _logits(model, tokens, SEQ_CODES_BxT)
+    )
+    assert _comparable(config_again) == _comparable(config)
+
+
+def _comparable(config) -> dict:
+    fields = config.to_dict()
+    if isinstance(fields["prior_alpha_init"], float):  # written as log, read back as exp
+        fields["prior_alpha_init"] = round(fields["prior_alpha_init"], 9)
+    return fields
+
+
+def test_config_fields_follow_args(runs):
+    config, _ = load_reference_checkpoint(runs["rotary_local"][0])
+    assert (config.encoding, config.window, config.rope_theta) == ("rope_local", 8, 500000.0)
+    config, _ = load_reference_checkpoint(runs["bam_ssmax-layer-theta"][0])
+    assert config.encoding == "bam_ssmax" and not config.global_prior
+    assert config.ssmax_prior_inside and config.train_ssmax_scale
+    assert config.prior_alpha_init == 1.0 and config.prior_beta_init == 0.0
+    config, _ = load_reference_checkpoint(runs["bam-global-legacy"][0])
+    assert config.global_prior and config.prior_alpha_init == "slope"
+    assert (config.prior_beta_init, config.train_prior_mu) == (1.0, False)
+    config, _ = load_reference_checkpoint(runs["rotary-ffn_none"][0])
+    assert config.ffn_hidden_dim == 48  # dim 32 rounded up to a multiple of 24
+
+
+def test_load_options(runs):
+    run_dir, run_args, state = runs["bam_ssmax-global-theta"]
+    config, model = load_reference_checkpoint(
+        run_dir, dtype="bfloat16", attention_impl="reference", scan_layers=True
+    )
+    assert config.dtype == "bfloat16" and config.scan_layers
+    config, model = load_reference_checkpoint(run_dir, ssmax_prior_inside=False)
+    tokens = _tokens()
+    expected = reference_forward(state, run_args, tokens, ssmax_prior_inside=False)
+    np.testing.assert_allclose(_logits(model, tokens), expected, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="cannot override"):
+        load_reference_checkpoint(run_dir, dim=64)
+
+
+def test_exported_args_are_readable_by_the_reference(runs, tmp_path):
+    config, model = load_reference_checkpoint(runs["bam_ssmax-layer-legacy"][0])
+    export_reference_checkpoint(model, config, tmp_path, fmt="npz")
+    written = json.loads((tmp_path / "args.json").read_text())
+    assert written == reference_args(config)
+    assert written["args"]["position_encoding"] == "bam_ssmax"
+    assert written["model_args"]["global_positional_encoding"] is False
+    assert {"thata_beta_init", "theta_alpha_init", "seq_scale"} <= set(written["model_args"])
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def _broken_run(runs, tmp_path, name="bam_ssmax-layer-theta"):
+    _, run_args, state = runs[name]
+    return json.loads(json.dumps(run_args)), dict(state), tmp_path / "broken"
+
+
+def test_missing_files(runs, tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        load_reference_checkpoint(tmp_path / "nowhere")
+    _, state, run_dir = _broken_run(runs, tmp_path)
+    run_dir.mkdir()
+    with pytest.raises(ValueError, match="no weights file"):
+        load_reference_checkpoint(run_dir)
+    np.savez(run_dir / NUMPY_FILE, **state)
+    with pytest.raises(ValueError, match=r"args\.json: missing"):
+        load_reference_checkpoint(run_dir)
+    (run_dir / "args.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_reference_checkpoint(run_dir)
+    (run_dir / TORCH_FILE).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"both model\.pt and model\.npz"):
+        load_reference_checkpoint(run_dir)
+
+
+def test_unknown_encoding_and_bad_args(runs, tmp_path):
+    run_args, state, run_dir = _broken_run(runs, tmp_path)
+    run_args["args"]["position_encoding"] = "laplace"
+    write_run(run_dir, run_args, state)
+    with pytest.raises(ValueError, match=r"args\.json: args\.position_encoding 'laplace'"):
+        load_reference_checkpoint(run_dir)
+    run_args["args"]["position_encoding"] = "bam_ssmax"
+    del run_args["model_args"]["n_heads"]
+    write_run(run_dir, run_args, state)
+    with pytest.raises(ValueError, match=r"model_args\.n_heads is missing"):
+        load_reference_checkpoint(run_dir)
+    run_args["model_args"]["n_heads"] = 5
+    write_run(run_dir, run_args, state)
+    with pytest.raises(ValueError, match=r"args\.json: dim \(32\) must be divisible"):
+        load_reference_checkpoint(run_dir)
+
+
+def test_missing_unexpected_and_misshapen_keys(runs, tmp_path):
+    run_args, state, run_dir = _broken_run(runs, tmp_path)
+    prefix = next(iter(state)).removesuffix("tok_embeddings.weight")
+    missing = dict(state)
+    del missing[prefix + "layers.1.attention.seq_scale"]
+    write_run(run_dir, run_args, missing)
+    with pytest.raises(ValueError, match=r"model\.npz: missing keys .*'layers\.1\.attention\.seq_"):
+        load_reference_checkpoint(run_dir)
+
+    extra = dict(state, **{"prior.theta_beta": np.zeros((1, HEADS, 1, 1), np.float32)})
+    write_run(run_dir, run_args, extra)
+    with pytest.raises(ValueError, match=r"model\.npz: unexpected keys .*'prior\.theta_beta'"):
+        load_reference_checkpoint(run_dir)
+
+    misshapen = dict(state)
+    misshapen[prefix + "layers.0.feed_forward.w2.weight"] = np.zeros((64, 32), np.float32)
+    write_run(run_dir, run_args, misshapen)
+    with pytest.raises(ValueError, match=r"'layers\.0\.feed_forward\.w2\.weight' has shape"):
+        load_reference_checkpoint(run_dir)
+
+    duplicate = dict(state)
+    duplicate["layers.0.attention.prior.shape"] = duplicate[
+        prefix + "layers.0.attention.prior.theta_beta"
+    ]
+    write_run(run_dir, run_args, duplicate)
+    with pytest.raises(ValueError, match=r"both give 'layers\.0\.attention\.prior\.theta_beta'"):
+        load_reference_checkpoint(run_dir)
+
+
+def test_model_pt_without_torch_says_how_to_install(runs, tmp_path, monkeypatch):
+    run_args, _, run_dir = _broken_run(runs, tmp_path)
+    run_dir.mkdir()
+    (run_dir / "args.json").write_text(json.dumps(run_args))
+    (run_dir / TORCH_FILE).write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ImportError, match=r"pip install 'bam-jax\[torch\]'"):
+        load_reference_checkpoint(run_dir)
+
+
+def test_model_pt_round_trip(runs, tmp_path):
+    torch = pytest.importorskip("torch")
+    _, run_args, state = runs["bam_ssmax-global-legacy"]
+    run_dir = tmp_path / "pt"
+    run_dir.mkdir()
+    (run_dir / "args.json").write_text(json.dumps(run_args))
+    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, run_dir / TORCH_FILE)
+    config, model = load_reference_checkpoint(run_dir)
+    tokens = _tokens()
+    expected = reference_forward(state, run_args, tokens, SEQ_CODES_BxT)
+    logits = _logits(model, tokens, SEQ_CODES_BxT)
+    np.testing.assert_allclose(logits, expected, atol=TOL, rtol=0)
+
+    export_reference_checkpoint(model, config, tmp_path / "out", fmt="pt", prior_naming="legacy")
+    exported = torch.load(tmp_path / "out" / TORCH_FILE, weights_only=True)
+    assert sorted(exported) == sorted(strip_prefixes(k) for k in state)
+    for key, value in state.items():
+        np.testing.assert_array_equal(exported[strip_prefixes(key)].numpy(), value, strict=True)
+    _, model_again = load_reference_checkpoint(tmp_path / "out")
+    np.testing.assert_array_equal(_logits(model_again, tokens, SEQ_CODES_BxT), logits)
