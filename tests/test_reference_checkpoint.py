@@ -259,14 +259,22 @@ def test_config_fields_follow_args(runs):
     assert config.ffn_hidden_dim == 48  # dim 32 rounded up to a multiple of 24
 
 
-def test_load_options(runs):
-    run_dir, run_args, state = runs["bam_ssmax-global-theta"]
-    config, model = load_reference_checkpoint(
-        run_dir, dtype="bfloat16", attention_impl="reference", scan_layers=True
-    )
-    assert config.dtype == "bfloat16" and config.scan_layers
-    config, model = load_reference_checkpoint(run_dir, ssmax_prior_inside=False)
+def test_load_options(runs, tmp_path):
+    run_dir, run_args, state = runs["bam_ssmax-layer-theta"]
     tokens = _tokens()
+    config, model = load_reference_checkpoint(run_dir, scan_layers=True)
+    assert config.scan_layers
+    expected = reference_forward(state, run_args, tokens, SEQ_CODES_BxT)
+    np.testing.assert_allclose(_logits(model, tokens, SEQ_CODES_BxT), expected, atol=TOL, rtol=0)
+    export_reference_checkpoint(model, config, tmp_path, fmt="npz")
+    with np.load(tmp_path / NUMPY_FILE) as exported:
+        for key, value in state.items():
+            np.testing.assert_array_equal(exported[strip_prefixes(key)], value, strict=True)
+
+    config, _ = load_reference_checkpoint(run_dir, dtype="bfloat16")
+    assert config.dtype == "bfloat16"
+    run_dir, run_args, state = runs["bam_ssmax-global-theta"]
+    config, model = load_reference_checkpoint(run_dir, ssmax_prior_inside=False)
     expected = reference_forward(state, run_args, tokens, ssmax_prior_inside=False)
     np.testing.assert_allclose(_logits(model, tokens), expected, atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="cannot override"):
