@@ -1,0 +1,1 @@
+"""Configuration presets: training presets live in configs/presets.py."""

@@ -1,0 +1,1 @@
+"""Training pipeline for bam_jax models: data, optimizer, sharding, checkpoints, loop."""

@@ -1,0 +1,334 @@
+"""Training data through grain: rows of `seq_len + 1` tokens, batched per host.
+
+Every source is a random-access list of rows, so a run is a pure function of the seed and the
+step, and the grain iterator state (one index) is all a checkpoint needs to resume exactly.
+
+A row is a dict of numpy arrays of length `seq_len`:
+  inputs, targets  int32   tokens and next tokens
+  segment_ids      int32   document id per input token (-1 = padding, never attended)
+  positions        int32   position of each input token inside its document
+  loss_mask        float32 1 where the target is trained on
+
+Sources:
+  passkey  synthetic passkey-retrieval prompts (spec section 10) with varied filler, needle
+           depth and length; only the answer digits are trained on by default.
+  text     local .txt files (one document each) and .jsonl files (one document per line),
+           tokenised with BOS/EOS and concatenated with document ids.
+  shards   pre-tokenised .npy shards (see train/shards.py), memory-mapped.
+
+The global batch of step s is rows [s * G, (s + 1) * G) of the (shuffled, repeated) row
+list, G = accum_steps * batch_size; it is laid out as [accum_steps, batch_size, seq_len] and
+each process reads only the rows of its slice of the batch axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+import grain
+import numpy as np
+
+from bam_jax import passkey
+from bam_jax.tokenizers import Tokenizer, get_tokenizer
+
+Row = dict[str, np.ndarray]
+SOURCES = ("passkey", "text", "shards")
+PASSKEY_LOSSES = ("answer", "all")
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+_NOUNS = ("grass", "sky", "sun", "sea", "road", "house", "tree", "river", "cloud", "stone")
+_ADJECTIVES = ("green", "blue", "yellow", "red", "quiet", "tall", "old", "warm", "bright", "wide")
+_PHRASES = ("Here we go.", "There and back again.", "On we walk.", "So it goes.", "Look around.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where rows come from. `path` is a file, directory or glob (text) or a shard directory."""
+
+    source: str = "passkey"
+    path: str = ""
+    tokenizer: str = "mistral"
+    text_key: str = "text"
+    add_bos: bool = True
+    add_eos: bool = True
+    shuffle: bool = True
+    val_rows: int = 64
+    passkey_min_length: int = 0
+    passkey_prefix_digits: int = 1
+    passkey_paper_filler_fraction: float = 0.25
+    passkey_loss: str = "answer"
+    num_threads: int = 0
+    prefetch: int = 2
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
+        if self.passkey_loss not in PASSKEY_LOSSES:
+            raise ValueError(
+                f"data.passkey_loss must be one of {PASSKEY_LOSSES}, got {self.passkey_loss!r}"
+            )
+        if not 0.0 <= self.passkey_paper_filler_fraction <= 1.0:
+            raise ValueError("data.passkey_paper_filler_fraction must be in [0, 1]")
+        if self.val_rows < 0 or self.num_threads < 0 or self.prefetch < 0:
+            raise ValueError("data.val_rows, data.num_threads and data.prefetch must be >= 0")
+        if self.passkey_prefix_digits < 0:
+            raise ValueError("data.passkey_prefix_digits must be >= 0")
+
+
+def empty_row(seq_len: int) -> Row:
+    return {
+        "inputs": np.zeros(seq_len, np.int32),
+        "targets": np.zeros(seq_len, np.int32),
+        "segment_ids": np.full(seq_len, -1, np.int32),
+        "positions": np.zeros(seq_len, np.int32),
+        "loss_mask": np.zeros(seq_len, np.float32),
+    }
+
+
+# ----------------------------------------------------------------------------- passkey
+
+
+def varied_filler(rng: np.random.Generator) -> str:
+    """A filler paragraph in the style of the paper's, from random simple sentences."""
+    sentences = []
+    for _ in range(int(rng.integers(3, 7))):
+        if rng.random() < 0.75:
+            noun, adj = rng.choice(_NOUNS), rng.choice(_ADJECTIVES)
+            sentences.append(f"The {noun} is {adj}.")
+        else:
+            sentences.append(str(rng.choice(_PHRASES)))
+    return " ".join(sentences)
+
+
+class PasskeyRows:
+    """Row i is a passkey prompt drawn from `seed` and i: any filler, length and depth."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int):
+        self.cfg, self.tokenizer, self.seq_len, self.seed = cfg, tokenizer, seq_len, seed
+        widest_key = 10 ** (passkey.PREDICTED_DIGITS + cfg.passkey_prefix_digits) - 1
+        self.key_tokens = len(tokenizer.encode(f" {widest_key}"))
+        self.max_prompt = seq_len + 1 - self.key_tokens
+        template = passkey.passkey_template(tokenizer, prefix_digits=cfg.passkey_prefix_digits)
+        self.min_prompt = max(template.min_length, cfg.passkey_min_length)
+        if self.min_prompt > self.max_prompt:
+            raise ValueError(
+                f"model.max_seq_len: a passkey prompt needs at least {template.min_length} "
+                f"tokens plus {self.key_tokens} key tokens with tokenizer "
+                f"{tokenizer.name!r}; got seq_len {seq_len} (and data.passkey_min_length "
+                f"{cfg.passkey_min_length})"
+            )
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+    def __getitem__(self, index: int) -> Row:
+        rng = np.random.default_rng([self.seed, int(index)])
+        use_paper = rng.random() < self.cfg.passkey_paper_filler_fraction
+        filler = passkey.FILLER if use_paper else varied_filler(rng)
+        target = int(rng.integers(self.min_prompt, self.max_prompt + 1))
+        sample = passkey.build_passkey_sample(
+            self.tokenizer,
+            target,
+            key=passkey.random_key(rng, self.cfg.passkey_prefix_digits),
+            depth=float(rng.random()),
+            prefix_digits=self.cfg.passkey_prefix_digits,
+            filler=filler,
+        )
+        return self._row(sample.tokens, sample.answer_positions)
+
+    def _row(self, tokens: np.ndarray, answer_positions: np.ndarray) -> Row:
+        n = len(tokens) - 1
+        row = empty_row(self.seq_len)
+        row["inputs"][:n] = tokens[:-1]
+        row["targets"][:n] = tokens[1:]
+        row["segment_ids"][:n] = 0
+        row["positions"][:n] = np.arange(n)
+        if self.cfg.passkey_loss == "answer":
+            row["loss_mask"][answer_positions - 1] = 1.0
+        else:
+            row["loss_mask"][:n] = 1.0
+        return row
+
+
+# ----------------------------------------------------------------------------- token streams
+
+
+class TokenStreamRows:
+    """Rows cut with stride seq_len from a flat token stream with document start offsets.
+
+    Rows never cross a shard boundary; a target in another document than its input is not
+    trained on (the EOS -> next BOS step).
+    """
+
+    def __init__(self, streams: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int):
+        self.streams, self.seq_len = list(streams), seq_len
+        rows = [max((len(tokens) - 1) // seq_len, 0) for tokens, _ in self.streams]
+        self.first_row = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.first_row[-1])
+
+    def __getitem__(self, index: int) -> Row:
+        index = int(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} out of range [0, {len(self)})")
+        shard = int(np.searchsorted(self.first_row, index, side="right")) - 1
+        tokens, doc_starts = self.streams[shard]
+        start = (index - int(self.first_row[shard])) * self.seq_len
+        window = np.asarray(tokens[start : start + self.seq_len + 1], dtype=np.int32)
+        doc_of = np.searchsorted(doc_starts, np.arange(start, start + self.seq_len + 1), "right")
+        doc_of = doc_of.astype(np.int64) - 1
+        segment = (doc_of - doc_of[0]).astype(np.int32)
+        return {
+            "inputs": window[:-1],
+            "targets": window[1:],
+            "segment_ids": segment[:-1],
+            "positions": (np.arange(start, start + self.seq_len) - doc_starts[doc_of[:-1]]).astype(
+                np.int32
+            ),
+            "loss_mask": (segment[1:] == segment[:-1]).astype(np.float32),
+        }
+
+
+def text_files(path: str) -> list[str]:
+    """The .txt/.jsonl files named by a file, a directory or a glob, sorted."""
+    if os.path.isdir(path):
+        files = [os.path.join(path, f) for f in os.listdir(path)]
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        files = glob.glob(path)
+    files = sorted(f for f in files if f.endswith(TEXT_SUFFIXES) and os.path.isfile(f))
+    if not files:
+        raise ValueError(f"data.path: no .txt or .jsonl files found at {path!r}")
+    return files
+
+
+def iter_documents(files: Sequence[str], text_key: str = "text") -> Iterator[str]:
+    """One document per .txt file, one per .jsonl line (field `text_key`)."""
+    for name in files:
+        with open(name, encoding="utf-8") as f:
+            if name.endswith(".txt"):
+                yield f.read()
+                continue
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if text_key not in record:
+                    raise ValueError(
+                        f"data.text_key: {name}:{line_no} has no field {text_key!r} "
+                        f"(fields: {sorted(record)})"
+                    )
+                yield record[text_key]
+
+
+def tokenize_documents(
+    docs: Iterator[str], tokenizer: Tokenizer, *, add_bos: bool = True, add_eos: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated int32 tokens and the int64 start offset of every document."""
+    pieces, starts, total = [], [], 0
+    for text in docs:
+        ids = ([tokenizer.bos_id] if add_bos else []) + tokenizer.encode(text)
+        ids += [tokenizer.eos_id] if add_eos else []
+        starts.append(total)
+        pieces.append(np.asarray(ids, np.int32))
+        total += len(ids)
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+    return tokens, np.asarray(starts, np.int64)
+
+
+# ----------------------------------------------------------------------------- assembly
+
+
+def build_rows(cfg: DataConfig, seq_len: int, seed: int, split: str) -> grain.MapDataset:
+    """All rows of one split ("train" or "val") as a random-access grain dataset."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if cfg.source == "passkey":
+        split_seed = seed if split == "train" else seed + 1_000_003
+        return grain.MapDataset.source(
+            PasskeyRows(cfg, get_tokenizer(cfg.tokenizer), seq_len, split_seed)
+        )
+    rows = grain.MapDataset.source(_stream_rows(cfg, seq_len))
+    if len(rows) <= cfg.val_rows:
+        raise ValueError(
+            f"data.path: {cfg.path!r} gives {len(rows)} rows of {seq_len + 1} tokens, not more "
+            f"than data.val_rows={cfg.val_rows}; add data or lower val_rows / seq_len"
+        )
+    if split == "val":
+        return rows[: cfg.val_rows]
+    rows = rows[cfg.val_rows :]
+    if cfg.shuffle:
+        rows = rows.shuffle(seed=seed)
+    return rows.repeat(None)
+
+
+def _stream_rows(cfg: DataConfig, seq_len: int) -> TokenStreamRows:
+    if cfg.source == "shards":
+        from train.shards import open_shards
+
+        return TokenStreamRows(open_shards(cfg.path), seq_len)
+    tokenizer = get_tokenizer(cfg.tokenizer)
+    docs = iter_documents(text_files(cfg.path), cfg.text_key)
+    stream = tokenize_documents(docs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos)
+    return TokenStreamRows([stream], seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """Which rows of each global batch this process reads: rows [row_start, row_start +
+    row_count) of each of the `accum_steps` micro-batches of `batch_size` rows."""
+
+    accum_steps: int
+    batch_size: int
+    row_start: int = 0
+    row_count: int = 0
+
+    @property
+    def local_batch(self) -> int:
+        return self.row_count or self.batch_size
+
+    def global_row(self, k: int) -> int:
+        """Global row index of this process's k-th row."""
+        step, rest = divmod(k, self.accum_steps * self.local_batch)
+        micro, i = divmod(rest, self.local_batch)
+        return (step * self.accum_steps + micro) * self.batch_size + self.row_start + i
+
+
+def local_batches(rows: grain.MapDataset, layout: BatchLayout) -> grain.MapDataset:
+    """This process's batches: dicts of [accum_steps, local_batch, seq_len] arrays."""
+    per_step = layout.accum_steps * layout.batch_size
+    n_steps = len(rows) // per_step
+    n_local = n_steps * layout.accum_steps * layout.local_batch
+    mine = grain.MapDataset.range(n_local).map(lambda k: rows[layout.global_row(k)])
+    return mine.batch(layout.local_batch, drop_remainder=True).batch(
+        layout.accum_steps, drop_remainder=True
+    )
+
+
+def train_iterator(
+    cfg: DataConfig, seq_len: int, seed: int, layout: BatchLayout
+) -> grain.DatasetIterator:
+    """Checkpointable iterator over this process's training batches."""
+    batches = local_batches(build_rows(cfg, seq_len, seed, "train"), layout)
+    options = grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=cfg.prefetch)
+    return iter(batches.to_iter_dataset(options))
+
+
+def val_batches(
+    cfg: DataConfig, seq_len: int, seed: int, layout: BatchLayout, n_batches: int
+) -> list[Row]:
+    """The first `n_batches` validation batches (the same every time)."""
+    batches = local_batches(build_rows(cfg, seq_len, seed, "val"), layout)
+    if len(batches) < n_batches:
+        raise ValueError(
+            f"eval_batches: {n_batches} validation batches requested, data.val_rows gives "
+            f"{len(batches)}"
+        )
+    return [batches[i] for i in range(n_batches)]

@@ -1,0 +1,368 @@
+"""The training loop: a jitted step over a device mesh, checkpoints, resume, metrics.
+
+The step is `nnx.merge` -> `jax.value_and_grad` -> optax inside one `jax.jit`, with the
+state's shardings as input and output shardings and the state donated. Gradients of the
+`accum_steps` micro-batches are summed by a scan, so one call is one optimizer step; the
+loss is the mean over all trained target tokens of the global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from train.checkpoint import Checkpointer
+from train.config import TrainConfig, validate_for_runtime
+from train.data import BatchLayout, train_iterator, val_batches
+from train.metrics import MetricsWriter, device_peak_flops, train_flops_per_token
+from train.optim import learning_rates, make_optimizer
+from train.sharding import batch_sharding, local_rows, make_mesh, replicated
+from train.state import ModelParts, TrainState, count_params, init_state, state_shardings
+
+Batch = dict[str, Any]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite."""
+
+
+def loss_sums(parts: ModelParts, params, consts, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy over trained targets of a [batch, seq_len] micro-batch, and the
+    number of trained targets."""
+    model = parts.merge(params, consts)
+    logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxTxV.astype(jnp.float32), batch["targets"]
+    )
+    mask_BxT = batch["loss_mask"]
+    return jnp.sum(ce_BxT * mask_BxT), jnp.sum(mask_BxT)
+
+
+def make_train_step(parts: ModelParts, tx: optax.GradientTransformation) -> Callable:
+    grad_fn = jax.value_and_grad(lambda p, c, b: loss_sums(parts, p, c, b), has_aux=True, argnums=0)
+
+    def step(state: TrainState, batch_AxBxT: Batch) -> tuple[TrainState, dict]:
+        def micro(carry, batch_BxT):
+            loss_sum, count, grads = carry
+            (loss, n), g = grad_fn(state.params, state.consts, batch_BxT)
+            return (loss_sum + loss, count + n, jax.tree.map(jnp.add, grads, g)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+        (loss_sum, count, grads), _ = jax.lax.scan(micro, init, batch_AxBxT)
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": loss_sum / denom,
+            "grad_norm": optax.global_norm(grads),
+            "trained_tokens": count,
+        }
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(parts: ModelParts) -> Callable:
+    def evaluate(params, consts, batch_AxBxT: Batch) -> tuple[jax.Array, jax.Array]:
+        def micro(carry, batch_BxT):
+            loss, n = loss_sums(parts, params, consts, batch_BxT)
+            return (carry[0] + loss, carry[1] + n), None
+
+        zero = jnp.zeros((), jnp.float32)
+        (loss_sum, count), _ = jax.lax.scan(micro, (zero, zero), batch_AxBxT)
+        return loss_sum, count
+
+    return evaluate
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a run needs before it touches data or parameters."""
+
+    cfg: TrainConfig
+    mesh: Mesh
+    parts: ModelParts
+    tx: optax.GradientTransformation
+    abstract_state: TrainState
+    shardings: TrainState
+    batch_sharding: NamedSharding
+    train_step: Callable
+    eval_step: Callable
+    init: Callable
+
+    @property
+    def global_batch_shape(self) -> tuple[int, int, int]:
+        return (self.cfg.accum_steps, self.cfg.batch_size, self.cfg.seq_len)
+
+    def layout(self) -> BatchLayout:
+        start, count = local_rows(self.batch_sharding, self.global_batch_shape)
+        return BatchLayout(self.cfg.accum_steps, self.cfg.batch_size, start, count)
+
+    def global_batch(self, local: Batch) -> Batch:
+        return {
+            k: jax.make_array_from_process_local_data(
+                self.batch_sharding, np.asarray(v), self.global_batch_shape
+            )
+            for k, v in local.items()
+        }
+
+    def abstract_batch(self) -> Batch:
+        dtypes = {"loss_mask": jnp.float32}
+        return {
+            k: jax.ShapeDtypeStruct(
+                self.global_batch_shape, dtypes.get(k, jnp.int32), sharding=self.batch_sharding
+            )
+            for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+        }
+
+    def abstract_sharded_state(self) -> TrainState:
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            self.abstract_state,
+            self.shardings,
+        )
+
+
+def build(cfg: TrainConfig) -> Setup:
+    """Validate against the runtime, then build mesh, optimizer, shardings and jitted steps."""
+    validate_for_runtime(cfg, jax.device_count(), jax.process_count())
+    mesh = make_mesh(cfg.mesh)
+    parts, _, _ = ModelParts.from_config(cfg.model)
+    tx = make_optimizer(cfg.optim, cfg.steps, parts.labels)
+    init_fn = functools.partial(init_state, cfg.model, parts, tx, cfg.seed)
+    abstract_state = jax.eval_shape(init_fn)
+    shardings = state_shardings(parts, abstract_state, tx, mesh)
+    b_sharding = batch_sharding(mesh)
+    rep = replicated(mesh)
+    train_step = jax.jit(
+        make_train_step(parts, tx),
+        in_shardings=(shardings, b_sharding),
+        out_shardings=(shardings, rep),
+        donate_argnums=0,
+    )
+    eval_step = jax.jit(
+        make_eval_step(parts),
+        in_shardings=(shardings.params, shardings.consts, b_sharding),
+        out_shardings=rep,
+    )
+    init = jax.jit(init_fn, out_shardings=shardings)
+    return Setup(
+        cfg, mesh, parts, tx, abstract_state, shardings, b_sharding, train_step, eval_step, init
+    )
+
+
+def dry_run(setup: Setup) -> dict[str, Any]:
+    """Compile the train step for the configured mesh; report parameters and memory."""
+    start = time.perf_counter()
+    compiled = setup.train_step.lower(
+        setup.abstract_sharded_state(), setup.abstract_batch()
+    ).compile()
+    report: dict[str, Any] = {
+        "params": count_params(setup.abstract_state.params),
+        "mesh": dict(setup.mesh.shape),
+        "devices": jax.device_count(),
+        "accum_steps": setup.cfg.accum_steps,
+        "compile_s": round(time.perf_counter() - start, 2),
+    }
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        fields = ("argument", "output", "temp", "alias", "generated_code")
+        per_device = {f: int(getattr(memory, f"{f}_size_in_bytes", 0)) for f in fields}
+        per_device["total"] = (
+            per_device["argument"] + per_device["output"] + per_device["temp"]
+        ) - per_device["alias"]
+        report["per_device_bytes"] = per_device
+    return report
+
+
+def format_dry_run(report: dict[str, Any]) -> str:
+    lines = [
+        f"parameters: {report['params']:,}",
+        f"mesh: {report['mesh']} on {report['devices']} devices, "
+        f"{report['accum_steps']} micro-batches per step",
+        f"compile time: {report['compile_s']} s",
+    ]
+    for name, value in report.get("per_device_bytes", {}).items():
+        lines.append(f"per-device {name}: {value / 2**20:,.1f} MiB")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    step: int
+    state: TrainState
+    last_loss: float | None
+    preempted: bool = False
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop checks after each step (main thread only)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if _in_main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> TrainResult:
+    """Train to `cfg.steps` (or stop after `stop_after` steps, saving), resuming from the
+    latest checkpoint in `workdir` if there is one."""
+    setup = build(cfg)
+    os.makedirs(workdir, exist_ok=True)
+    config_dict = cfg.to_dict()
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config_dict, f, indent=2)
+
+    layout = setup.layout()
+    data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, layout)
+    checkpointer = Checkpointer(workdir, cfg)
+    start = checkpointer.latest_step()
+    if start is None:
+        state, start = setup.init(), 0
+    else:
+        state, data_state = checkpointer.restore(start, setup.abstract_sharded_state())
+        data.set_state(data_state)
+    val = (
+        val_batches(cfg.data, cfg.seq_len, cfg.seed, layout, cfg.eval_batches)
+        if cfg.eval_every
+        else []
+    )
+    writer = MetricsWriter(
+        workdir, total_steps=cfg.steps, start_step=start, progress_bar=cfg.progress_bar
+    )
+    if start:
+        writer.print(f"resumed from step {start} in {workdir}")
+    try:
+        with _Preemption() as preemption:
+            return _run(
+                setup,
+                state,
+                start,
+                data,
+                val,
+                checkpointer,
+                writer,
+                workdir,
+                config_dict,
+                preemption,
+                stop_after,
+            )
+    finally:
+        checkpointer.close()
+        writer.close()
+
+
+def _run(
+    setup,
+    state,
+    start,
+    data,
+    val,
+    checkpointer,
+    writer,
+    workdir,
+    config_dict,
+    preemption,
+    stop_after,
+) -> TrainResult:
+    cfg = setup.cfg
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    tokens_per_step = cfg.accum_steps * cfg.batch_size * cfg.seq_len
+    n_params = count_params(setup.abstract_state.params)
+    peak = device_peak_flops(jax.devices()[0])
+    flops_per_step = train_flops_per_token(cfg.model, n_params) * tokens_per_step
+    profiling = False
+    window_start, window_steps = time.perf_counter(), 0
+    step, loss = start, None
+    while step < end:
+        if step == cfg.profile_start:
+            jax.profiler.start_trace(os.path.join(workdir, "profile"))
+            profiling = True
+        batch = setup.global_batch(next(data))
+        state, metrics = setup.train_step(state, batch)
+        step += 1
+        window_steps += 1
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if profiling and step >= cfg.profile_start + cfg.profile_steps:
+            jax.profiler.stop_trace()
+            profiling = False
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            checkpointer.wait()
+            raise NonFiniteLossError(
+                f"loss {loss}, grad norm {grad_norm} at step {step}: training stopped; the "
+                f"last good checkpoint is step {checkpointer.latest_step()} in {workdir}"
+            )
+        if step % cfg.log_every == 0 or step == end:
+            elapsed = time.perf_counter() - window_start
+            record = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                **learning_rates(cfg.optim, cfg.steps, step - 1),
+                "tokens_per_s": window_steps * tokens_per_step / elapsed,
+                "step_time_s": elapsed / window_steps,
+                "trained_tokens": float(metrics["trained_tokens"]),
+            }
+            if peak is not None:
+                record["mfu"] = (
+                    flops_per_step * window_steps / elapsed / (peak * jax.device_count())
+                )
+            writer.write(step, record)
+            window_start, window_steps = time.perf_counter(), 0
+        if val and step % cfg.eval_every == 0:
+            writer.write(step, {"val_loss": _validate(setup, state, val)})
+        writer.advance()
+        if step % cfg.checkpoint_every == 0:
+            checkpointer.save(step, state, data.get_state(), config_dict)
+        if preemption.requested:
+            checkpointer.save(step, state, data.get_state(), config_dict, force=True)
+            checkpointer.wait()
+            writer.print(f"SIGTERM: saved step {step} to {workdir}, exiting")
+            return TrainResult(step, state, loss, preempted=True)
+    if profiling:
+        jax.profiler.stop_trace()
+    if checkpointer.latest_step() != step:
+        checkpointer.save(step, state, data.get_state(), config_dict, force=True)
+    checkpointer.wait()
+    return TrainResult(step, state, loss)
+
+
+def _validate(setup: Setup, state: TrainState, val: list[Batch]) -> float:
+    loss_sum, count = 0.0, 0.0
+    for local in val:
+        part, n = setup.eval_step(state.params, state.consts, setup.global_batch(local))
+        loss_sum, count = loss_sum + float(part), count + float(n)
+    return loss_sum / max(count, 1.0)
