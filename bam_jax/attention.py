@@ -53,6 +53,8 @@ def dot_product_attention(
     see no key (padding) gets a zero output.
     """
     _check_shapes(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, prior, ssmax_scale_H)
+    if window is not None and (not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be None or an int >= 0, got {window!r}")
     if (query_segment_ids_BxT is None) != (key_segment_ids_BxS is None):
         raise ValueError("query_segment_ids_BxT and key_segment_ids_BxS must be given together")
     kwargs = dict(
@@ -73,9 +75,7 @@ def dot_product_attention(
         return blockwise_attention(
             query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, block_q=block_q, block_k=block_k, **kwargs
         )
-    raise ValueError(
-        f"implementation must be 'reference' or 'blockwise', got {implementation!r}"
-    )
+    raise ValueError(f"implementation must be 'reference' or 'blockwise', got {implementation!r}")
 
 
 def _check_shapes(q, k, v, prior, ssmax_scale_H) -> None:
@@ -90,7 +90,9 @@ def _check_shapes(q, k, v, prior, ssmax_scale_H) -> None:
         raise ValueError(f"query {q.shape} and key {k.shape} differ in batch or head_dim")
     num_heads, num_kv_heads = q.shape[2], k.shape[2]
     if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+        raise ValueError(
+            f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
+        )
     if prior is not None and prior.num_heads != num_heads:
         raise ValueError(f"prior has {prior.num_heads} heads, query has {num_heads}")
     if ssmax_scale_H is not None and ssmax_scale_H.shape != (num_heads,):

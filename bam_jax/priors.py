@@ -78,7 +78,18 @@ def ggd_bias(
     theta_mu = jnp.asarray(theta_mu_H, jnp.float32).reshape(expand)
     mu = jnp.exp(theta_mu) - jnp.exp(-theta_mu)
     d = jnp.asarray(distance, jnp.float32)[None]
-    return -jnp.exp(alpha) * jnp.power(jnp.abs(d - mu) + GGD_EPS, beta)
+    return -jnp.exp(alpha) * jnp.power(_abs_zero_subgradient(d - mu) + GGD_EPS, beta)
+
+
+def _abs_zero_subgradient(x: jax.Array) -> jax.Array:
+    """|x| whose derivative at x = 0 is 0 (jnp.abs uses +1 there).
+
+    At d = mu the GGD has a kink where (|d - mu| + eps) ** (beta - 1) is as large as
+    1e8 for beta < 0; with mu = 0 every query's own position sits on it. The
+    symmetric subgradient 0 (PyTorch's convention too) keeps that spike out of the
+    gradient of theta_mu.
+    """
+    return jnp.sign(x) * x
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
