@@ -1,0 +1,165 @@
+"""Models to evaluate: training workdirs and reference run directories, named and checked.
+
+A model argument is ``PATH``, ``NAME=PATH``, ``PATH@STEP`` or ``NAME=PATH@STEP``. A
+directory with ``args.json`` and ``model.pt`` / ``model.npz`` is a reference run (read
+by the importer); any other directory is a training workdir (its latest checkpoint, or
+STEP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from bam_jax.config import ModelConfig
+from bam_jax.inference import init_cache
+from bam_jax.model import Transformer
+from bam_jax.tokenizers import Tokenizer, get_tokenizer
+from eval.chunked import ChunkedScorer
+
+REFERENCE_WEIGHTS = ("model.pt", "model.npz")
+
+
+@dataclasses.dataclass
+class EvalModel:
+    name: str
+    path: str
+    kind: str  # "workdir" or "reference"
+    step: int | None
+    config: ModelConfig
+    model: Transformer
+    tokenizer: str | None  # the tokenizer the checkpoint records, if any
+
+    @property
+    def train_length(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def checkpoint(self) -> str:
+        return self.path if self.step is None else f"{self.path}@{self.step}"
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": self.path,
+            "kind": self.kind,
+            "step": self.step,
+            "encoding": self.config.encoding,
+            "train_length": self.train_length,
+            "config": self.config.to_dict(),
+        }
+
+
+def parse_model_arg(arg: str) -> tuple[str, str, int | None]:
+    """(name, path, step) from NAME=PATH@STEP, NAME and STEP optional."""
+    name, sep, rest = arg.partition("=")
+    if not sep:
+        name, rest = "", arg
+    path, at, step_text = rest.rpartition("@")
+    if not at or not step_text.isdigit():
+        path, step_text = rest, ""
+    path = path.rstrip("/")
+    if not path:
+        raise ValueError(f"model {arg!r}: expected PATH, NAME=PATH or PATH@STEP")
+    return name or os.path.basename(path) or path, path, int(step_text) if step_text else None
+
+
+def is_reference_run(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "args.json")) and any(
+        os.path.isfile(os.path.join(path, w)) for w in REFERENCE_WEIGHTS
+    )
+
+
+def load_eval_model(arg: str, *, step: int | None = None) -> EvalModel:
+    """Loads a workdir checkpoint or a reference run; clear errors for anything else."""
+    name, path, arg_step = parse_model_arg(arg)
+    step = arg_step if arg_step is not None else step
+    if not os.path.isdir(path):
+        raise ValueError(f"model {arg!r}: {path!r} is not a directory")
+    if is_reference_run(path):
+        if step is not None:
+            raise ValueError(f"model {arg!r}: a reference run has one checkpoint, no steps")
+        from bam_jax.reference_checkpoint import load_reference_checkpoint
+
+        config, model = load_reference_checkpoint(path)
+        return EvalModel(name, path, "reference", None, config, model, None)
+    from train.checkpoint import checkpoint_dir, load_model, read_config
+
+    if not os.path.isdir(checkpoint_dir(path)):
+        raise ValueError(
+            f"model {arg!r}: {path!r} is neither a training workdir (no "
+            f"{os.path.basename(checkpoint_dir(path))}/ folder) nor a reference run directory "
+            f"(args.json with {' or '.join(REFERENCE_WEIGHTS)})"
+        )
+    train_config, step = read_config(path, step)
+    config, model = load_model(path, step=step)
+    return EvalModel(name, path, "workdir", step, config, model, train_config.data.tokenizer)
+
+
+def resolve_tokenizer(models: list[EvalModel], requested: str | None) -> Tokenizer:
+    """The tokenizer for all models; errors when a model records another or the ids overflow."""
+    recorded = {m.tokenizer for m in models if m.tokenizer}
+    if requested is None:
+        if len(recorded) > 1:
+            raise ValueError(
+                f"the models were trained with different tokenizers {sorted(recorded)}; "
+                "evaluate them separately"
+            )
+        requested = recorded.pop() if recorded else "mistral"
+    tokenizer = get_tokenizer(requested)
+    for m in models:
+        if m.tokenizer and m.tokenizer != requested:
+            raise ValueError(
+                f"model {m.name!r} was trained with tokenizer {m.tokenizer!r}, not {requested!r}"
+            )
+        if tokenizer.vocab_size > m.config.vocab_size:
+            raise ValueError(
+                f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids but model "
+                f"{m.name!r} has a vocabulary of {m.config.vocab_size}: checkpoint and "
+                "tokenizer do not match (pass --tokenizer)"
+            )
+    return tokenizer
+
+
+def for_inference(
+    model: Transformer,
+    *,
+    attention_impl: str = "blockwise",
+    block_q: int | None = None,
+    block_k: int | None = None,
+    dtype: str | None = None,
+) -> Transformer:
+    """The same weights under an inference configuration (attention kernel, blocks, dtype)."""
+    changes: dict[str, Any] = {"attention_impl": attention_impl, "remat": False}
+    if block_q is not None:
+        changes["block_q"] = block_q
+    if block_k is not None:
+        changes["block_k"] = block_k
+    if dtype is not None:
+        changes["dtype"] = dtype
+    config = model.config.replace(**changes)
+    if config == model.config:
+        return model
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract)
+    return nnx.merge(graphdef, nnx.state(model))
+
+
+def make_scorer(model: Transformer, *, chunk_size: int) -> ChunkedScorer:
+    config = model.config
+    return ChunkedScorer(model, lambda b, c: init_cache(config, b, c), chunk_size=chunk_size)
+
+
+def cache_bytes_per_slot(config: ModelConfig) -> int:
+    """Bytes of KV cache per sequence position (keys and values of every layer)."""
+    itemsize = jnp.dtype(config.dtype).itemsize
+    return 2 * config.n_layers * config.kv_heads * config.head_dim * itemsize
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model (benchmarks, tests)."""
+    return Transformer(config, rngs=nnx.Rngs(seed))

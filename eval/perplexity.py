@@ -1,0 +1,180 @@
+"""Perplexity by position over long sequences (spec section 11).
+
+Each sequence of ``seq_len + 1`` tokens runs through the cached model in chunks (full
+causal context, never a [T, vocab] array); the next-token loss is averaged per window of
+``window`` positions over all sequences, so the curve shows what happens past the
+training length.
+
+Data sources:
+- a directory of pre-tokenised shards (``meta.json``, as written by ``python -m train.shards``)
+  or a ``.npy`` file of token ids;
+- ``.txt`` / ``.jsonl`` files (a file, a directory or a glob);
+- ``hf:NAME[:SUBSET][@SPLIT]`` (a Hugging Face dataset, streamed) or a dataset directory
+  saved with ``save_to_disk``; both need the ``hf`` extra (``datasets``).
+
+Packing: "concat" joins documents with BOS/EOS removed and cuts rows (the held-out
+FineWeb protocol); "documents" keeps only documents of at least ``seq_len + 1`` tokens,
+one row each, starting with BOS (the long-Wikipedia-articles protocol).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from bam_jax.tokenizers import Tokenizer
+from eval.chunked import ChunkedScorer
+
+PACKINGS = ("concat", "documents")
+
+
+def _hf_documents(source: str, text_key: str) -> Iterator[str]:
+    if importlib.util.find_spec("datasets") is None:
+        raise ValueError(
+            f"data {source!r} needs the `datasets` package (pip install 'bam-jax[hf]')"
+        )
+    import datasets
+
+    if source.startswith("hf:"):
+        name, _, split = source[3:].partition("@")
+        name, _, subset = name.partition(":")
+        dataset = datasets.load_dataset(
+            name, subset or None, split=split or "train", streaming=True
+        )
+    else:
+        dataset = datasets.load_from_disk(source)
+        if isinstance(dataset, datasets.DatasetDict):
+            dataset = dataset["train"]
+    for record in dataset:
+        if text_key not in record:
+            raise ValueError(f"data {source!r}: records have no field {text_key!r}")
+        yield record[text_key]
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")
+    )
+
+
+def _documents(source: str, text_key: str) -> Iterator[str]:
+    from train.data import iter_documents, text_files
+
+    if source.startswith("hf:") or _is_saved_dataset(source):
+        return _hf_documents(source, text_key)
+    return iter_documents(text_files(source), text_key)
+
+
+def _token_documents(source: str, tokenizer: Tokenizer, text_key: str) -> Iterator[np.ndarray]:
+    """Documents as int32 token arrays, BOS first, no EOS."""
+    if source.endswith(".npy"):
+        if not os.path.isfile(source):
+            raise ValueError(f"data {source!r} does not exist")
+        yield np.load(source, mmap_mode="r").astype(np.int32)
+        return
+    if os.path.isfile(os.path.join(source, "meta.json")):
+        from train.shards import open_shards, read_meta
+
+        meta = read_meta(source)
+        if meta.get("vocab_size", tokenizer.vocab_size) != tokenizer.vocab_size:
+            raise ValueError(
+                f"data {source!r} was tokenised with {meta.get('tokenizer')!r} (vocabulary "
+                f"{meta.get('vocab_size')}), not with {tokenizer.name!r} "
+                f"(vocabulary {tokenizer.vocab_size})"
+            )
+        for tokens, starts in open_shards(source):
+            ends = [*starts[1:].tolist(), len(tokens)]
+            for start, end in zip(starts.tolist(), ends, strict=True):
+                yield np.asarray(tokens[start:end], np.int32)
+        return
+    for text in _documents(source, text_key):
+        yield np.asarray([tokenizer.bos_id, *tokenizer.encode(text)], np.int32)
+
+
+def load_rows(
+    source: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    n_sequences: int,
+    *,
+    packing: str = "concat",
+    text_key: str = "text",
+) -> np.ndarray:
+    """Up to ``n_sequences`` rows of ``seq_len + 1`` tokens, int32 [N, seq_len + 1]."""
+    if packing not in PACKINGS:
+        raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
+    if seq_len < 1 or n_sequences < 1:
+        raise ValueError(f"seq_len and n_sequences must be >= 1, got {seq_len}, {n_sequences}")
+    row_len = seq_len + 1
+    rows: list[np.ndarray] = []
+    docs = _token_documents(source, tokenizer, text_key)
+    if packing == "documents":
+        for doc in docs:
+            doc = doc[doc != tokenizer.eos_id]
+            if len(doc) >= row_len:
+                rows.append(doc[:row_len])
+            if len(rows) == n_sequences:
+                break
+    else:
+        special = np.asarray([tokenizer.bos_id, tokenizer.eos_id], np.int32)
+        pending, have = [], 0
+        for doc in docs:
+            doc = doc[~np.isin(doc, special)]
+            pending.append(doc)
+            have += len(doc)
+            if have >= row_len * n_sequences:
+                break
+        joined = np.concatenate(pending) if pending else np.zeros(0, np.int32)
+        count = min(n_sequences, len(joined) // row_len)
+        rows = list(joined[: count * row_len].reshape(count, row_len))
+    if not rows:
+        raise ValueError(
+            f"data {source!r} has no {packing} row of {row_len} tokens; lower --seq-len or "
+            f"use --packing concat"
+        )
+    return np.stack(rows).astype(np.int32)
+
+
+def evaluate_perplexity(
+    scorer: ChunkedScorer,
+    rows_NxT: np.ndarray,
+    *,
+    window: int,
+    batch_size: int = 1,
+    progress: bool = True,
+    label: str = "",
+) -> dict[str, Any]:
+    """Mean next-token loss and perplexity per window of positions."""
+    seq_len = rows_NxT.shape[1] - 1
+    if window < 1 or seq_len % window:
+        raise ValueError(f"window must divide seq_len {seq_len}, got {window}")
+    n_windows = seq_len // window
+    loss_sum_W = np.zeros(n_windows)
+    loss_sq_W = np.zeros(n_windows)
+    start = time.perf_counter()
+    bar = tqdm(total=len(rows_NxT), disable=not progress, desc=f"perplexity {label}".strip())
+    for i in range(0, len(rows_NxT), batch_size):
+        loss_BxT = scorer.next_token_loss(rows_NxT[i : i + batch_size]).astype(np.float64)
+        loss_BxWxK = loss_BxT.reshape(len(loss_BxT), n_windows, window)
+        loss_sum_W += loss_BxWxK.mean(-1).sum(0)
+        loss_sq_W += (loss_BxWxK**2).mean(-1).sum(0)
+        bar.update(len(loss_BxT))
+    bar.close()
+    mean_W = loss_sum_W / len(rows_NxT)
+    std_W = np.sqrt(np.maximum(loss_sq_W / len(rows_NxT) - mean_W**2, 0.0))
+    return {
+        "positions": [(k + 1) * window for k in range(n_windows)],
+        "loss": mean_W.tolist(),
+        "loss_std": std_W.tolist(),
+        "perplexity": np.exp(mean_W).tolist(),
+        "n_sequences": len(rows_NxT),
+        "seq_len": seq_len,
+        "window": window,
+        "seconds": time.perf_counter() - start,
+    }

@@ -1,0 +1,98 @@
+"""`bam-eval` end to end on a tiny exported reference run: results, figures, reuse, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bam_jax.config import ModelConfig
+from bam_jax.reference_checkpoint import export_reference_checkpoint
+from eval.cli import main, parse_count
+from eval.models import parse_model_arg, random_model
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> str:
+    config = ModelConfig.preset(
+        "micro",
+        vocab_size=259,
+        encoding="bam_ssmax",
+        global_prior=False,
+        prior_beta_init="linear",
+        max_seq_len=64,
+    )
+    path = tmp_path_factory.mktemp("runs") / "bam"
+    export_reference_checkpoint(random_model(config), config, path, fmt="npz")
+    return str(path)
+
+
+def test_parse_model_and_counts() -> None:
+    assert parse_model_arg("runs/a") == ("a", "runs/a", None)
+    assert parse_model_arg("x=runs/a@120") == ("x", "runs/a", 120)
+    assert parse_model_arg("runs/a@b/") == ("a@b", "runs/a@b", None)
+    counts = [parse_count(t) for t in ("4096", "4k", "1.5m", "32_768")]
+    assert counts == [4096, 4000, 1_500_000, 32_768]
+
+
+def test_passkey_writes_results_and_figures_then_reuses(run_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    argv = (
+        f"passkey m={run_dir} --tokenizer byte --lengths 300 --multiples 8 --samples 2 "
+        f"--chunk-size 128 --out {out} --quiet"
+    ).split()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Passkey accuracy" in printed and "512 (8x)" in printed
+    results = out / "m" / "passkey.json"
+    data = json.loads(results.read_text())
+    assert data["model"]["encoding"] == "bam_ssmax" and data["model"]["train_length"] == 64
+    (run,) = data["runs"].values()
+    assert sorted(run["entries"], key=int) == ["300", "512"]
+    entry = run["entries"]["512"]
+    assert len(entry["correct"]) == 2 and 0.0 <= entry["accuracy"] <= 1.0
+    assert entry["seconds_per_sample"] > 0 and entry["multiple"] == 8.0
+    assert (out / "passkey_accuracy_equidistant.png").stat().st_size > 0
+    assert (out / "m" / "passkey_depth_equidistant.png").stat().st_size > 0
+    before = os.stat(results).st_mtime_ns
+    assert main(argv) == 0
+    assert os.stat(results).st_mtime_ns == before  # nothing new computed or written
+
+
+def test_perplexity_and_prior(run_dir, tmp_path, capsys) -> None:
+    text = tmp_path / "doc.txt"
+    text.write_text("The grass is green. The sky is blue. " * 40)
+    out = tmp_path / "out"
+    argv = (
+        f"perplexity {run_dir} --tokenizer byte --data {text} --seq-len 256 --window 64 "
+        f"--sequences 2 --chunk-size 128 --out {out} --quiet"
+    ).split()
+    assert main(argv) == 0
+    (run,) = json.loads((out / "bam" / "perplexity.json").read_text())["runs"].values()
+    (entry,) = run["entries"].values()
+    assert entry["positions"] == [64, 128, 192, 256] and len(entry["perplexity"]) == 4
+    assert all(p > 1.0 for p in entry["perplexity"])
+    assert (out / "perplexity.png").stat().st_size > 0
+
+    assert main(["prior", run_dir, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "theta_beta" in printed and "retrieval" in printed
+    (run,) = json.loads((out / "bam" / "prior.json").read_text())["runs"].values()
+    table = run["entries"]["heads"]["table"]
+    assert len(table) == 2 * 4  # micro: 2 layers x 4 heads, one prior per layer
+    assert {r["class"] for r in table} == {"local", "retrieval"}  # linear beta from 0
+    assert (out / "bam" / "prior.png").stat().st_size > 0
+
+
+def test_clear_errors(run_dir, tmp_path, capsys) -> None:
+    assert main(["passkey", str(tmp_path), "--lengths", "1k"]) == 2
+    assert "neither a training workdir" in capsys.readouterr().err
+    assert main(["passkey", str(tmp_path / "missing"), "--lengths", "1k"]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    argv = ["passkey", run_dir, "--lengths", "100", "--tokenizer", "byte", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "below the passkey prompt's minimum" in capsys.readouterr().err
+    argv = ["passkey", run_dir, "--lengths", "1k", "--out", str(tmp_path)]  # mistral: 32768 ids
+    assert main(argv) == 2
+    assert "do not match" in capsys.readouterr().err
