@@ -6,6 +6,8 @@ the same function:
 - "reference": plain einsum with the bias and mask materialised, float32 softmax.
 - "blockwise": flash-style online softmax over key blocks; the prior is evaluated per
   tile from positions, so no T x S array is ever built.
+- "pallas": fused Pallas kernel (GPU/Triton, TPU/Mosaic) with the prior computed in the
+  tile loop; see bam_jax/pallas_attention.py.
 
 Positions: key slot s sits at position s; query t sits at `query_offset + t`. With a KV
 cache of capacity S, unfilled slots lie in the future of every query and are masked by
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 
 from bam_jax.priors import Prior
 
-Implementation = Literal["reference", "blockwise"]
+Implementation = Literal["reference", "blockwise", "pallas"]
 PADDING_SEGMENT = -1
 
 
@@ -75,7 +77,15 @@ def dot_product_attention(
         return blockwise_attention(
             query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, block_q=block_q, block_k=block_k, **kwargs
         )
-    raise ValueError(f"implementation must be 'reference' or 'blockwise', got {implementation!r}")
+    if implementation == "pallas":
+        from bam_jax.pallas_attention import pallas_attention
+
+        return pallas_attention(
+            query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, block_q=block_q, block_k=block_k, **kwargs
+        )
+    raise ValueError(
+        f"implementation must be 'reference', 'blockwise' or 'pallas', got {implementation!r}"
+    )
 
 
 def _check_shapes(q, k, v, prior, ssmax_scale_H) -> None:

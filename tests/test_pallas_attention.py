@@ -1,0 +1,388 @@
+"""Pallas kernels (interpret mode on CPU) against the reference oracle.
+
+Both variants run here: "gpu" (Triton semantics, `interpret=True`) and "tpu" (Mosaic
+semantics, `pltpu.InterpretParams()`). Lowering tests check that the kernels lower for
+CUDA (Triton IR) and TPU (Mosaic) without a device; compiling them needs the hardware.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bam_jax.attention import dot_product_attention, reference_attention, visibility_mask
+from bam_jax.pallas_attention import default_implementation, pallas_attention, visible_key_counts
+from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
+
+BETAS = (1.7, 1.0, 0.5, 0.0, -0.6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    q_len: int
+    kv_len: int | None = None  # None: q_len + offset
+    offset: int = 0
+    prior: str | None = "ggd"  # "ggd", "alibi" or None
+    theta_mu: float = 0.0
+    documents: bool = False
+    ssmax: bool = False
+    prior_inside: bool = True
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 48
+    block_q: int | None = 16
+    block_k: int | None = 32
+    causal: bool = True
+    window: int | None = None
+    batch: int = 2
+
+    @property
+    def keys(self) -> int:
+        return self.q_len + self.offset if self.kv_len is None else self.kv_len
+
+
+def make_inputs(case: Case, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    b, t, s, d = case.batch, case.q_len, case.keys, case.head_dim
+    inputs = {
+        "q": jnp.asarray(rng.normal(size=(b, t, case.heads, d)), jnp.float32),
+        "k": jnp.asarray(rng.normal(size=(b, s, case.kv_heads, d)), jnp.float32),
+        "v": jnp.asarray(rng.normal(size=(b, s, case.kv_heads, d)), jnp.float32),
+        "prior": None,
+        "ssmax": None,
+        "q_seg": None,
+        "k_seg": None,
+    }
+    if case.prior == "ggd":
+        betas = np.resize(np.asarray(BETAS, np.float32), case.heads)
+        mus = np.full(case.heads, case.theta_mu, np.float32)
+        mus[0] = 0.0
+        inputs["prior"] = GGDPrior(
+            theta_alpha_H=jnp.asarray(np.log(rng.uniform(0.05, 0.6, case.heads)), jnp.float32),
+            theta_beta_H=jnp.asarray(betas),
+            theta_mu_H=jnp.asarray(mus),
+        )
+    elif case.prior == "alibi":
+        inputs["prior"] = AlibiPrior(jnp.asarray(alibi_slopes(case.heads)))
+    if case.ssmax:
+        inputs["ssmax"] = jnp.asarray(rng.uniform(0.5, 1.5, case.heads), jnp.float32)
+    if case.documents:
+        k_seg = np.sort(rng.integers(0, 3, size=(b, s)), axis=1)
+        k_seg[:, -3:] = -1  # trailing padding
+        k_seg[0, s // 2] = -1  # a hole inside a document
+        inputs["k_seg"] = jnp.asarray(k_seg, jnp.int32)
+        inputs["q_seg"] = jnp.asarray(k_seg[:, case.offset : case.offset + t], jnp.int32)
+    return inputs
+
+
+def attention_kwargs(case: Case, inputs: dict, **overrides) -> dict:
+    kwargs = dict(
+        prior=inputs["prior"],
+        ssmax_scale_H=inputs["ssmax"],
+        ssmax_prior_inside=case.prior_inside,
+        query_segment_ids_BxT=inputs["q_seg"],
+        key_segment_ids_BxS=inputs["k_seg"],
+        query_offset=case.offset,
+        causal=case.causal,
+        window=case.window,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def run_kernel(case: Case, backend: str, inputs: dict, **overrides) -> jax.Array:
+    return pallas_attention(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        **attention_kwargs(case, inputs, **overrides),
+        block_q=case.block_q,
+        block_k=case.block_k,
+        backend=backend,
+        interpret=True,
+    )
+
+
+def run_reference(case: Case, inputs: dict, **overrides) -> jax.Array:
+    return reference_attention(
+        inputs["q"], inputs["k"], inputs["v"], **attention_kwargs(case, inputs, **overrides)
+    )
+
+
+def query_visible(case: Case, inputs: dict) -> np.ndarray:
+    """[B, T, 1, 1] True for queries that see at least one key (others output zeros)."""
+    mask = visibility_mask(
+        jnp.arange(case.q_len) + case.offset,
+        jnp.arange(case.keys),
+        inputs["q_seg"],
+        inputs["k_seg"],
+        causal=case.causal,
+        window=case.window,
+    )
+    return np.asarray(mask.any(-1))[..., None, None]
+
+
+def check_values(case: Case, backend: str, seed: int = 0) -> None:
+    inputs = make_inputs(case, seed)
+    out = run_kernel(case, backend, inputs)
+    expected = run_reference(case, inputs)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def check_gradients(case: Case, backend: str, seed: int = 0) -> None:
+    inputs = make_inputs(case, seed)
+    cotangent = jnp.asarray(
+        np.random.default_rng(seed + 1).normal(size=inputs["q"].shape), jnp.float32
+    )
+    mask = jnp.asarray(query_visible(case, inputs), jnp.float32)
+
+    def loss(run, q, k, v, prior, ssmax):
+        args = dict(inputs, q=q, k=k, v=v, prior=prior, ssmax=ssmax)
+        return jnp.sum(run(args) * cotangent * mask)
+
+    argnums = (0, 1, 2, 3, 4)
+    primals = (inputs["q"], inputs["k"], inputs["v"], inputs["prior"], inputs["ssmax"])
+    got = jax.grad(lambda *a: loss(lambda i: run_kernel(case, backend, i), *a), argnums)(*primals)
+    want = jax.grad(lambda *a: loss(lambda i: run_reference(case, i), *a), argnums)(*primals)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        scale = max(1.0, float(jnp.max(jnp.abs(w))))
+        np.testing.assert_allclose(g, w, atol=5e-5 * scale, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# Default suite: a compact grid, both variants.
+
+DEFAULT_VALUE_CASES = {
+    "documents_ssmax_inside_gqa_hd48": Case(
+        q_len=129, documents=True, ssmax=True, theta_mu=0.4, block_q=32, block_k=16
+    ),
+    "chunked_prefill_alibi_ssmax_outside": Case(
+        q_len=7, offset=57, prior="alibi", ssmax=True, prior_inside=False
+    ),
+    "decode_single_query": Case(q_len=1, offset=63, kv_len=80, heads=5, kv_heads=1),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [(name, "gpu") for name in sorted(DEFAULT_VALUE_CASES)]
+    + [("documents_ssmax_inside_gqa_hd48", "tpu"), ("chunked_prefill_alibi_ssmax_outside", "tpu")],
+)
+def test_values_match_reference(name: str, backend: str) -> None:
+    check_values(DEFAULT_VALUE_CASES[name], backend)
+
+
+def test_gradients_match_reference() -> None:
+    check_gradients(Case(q_len=40, documents=True, ssmax=True, theta_mu=0.4), "gpu")
+
+
+def test_bidirectional_window_with_documents() -> None:
+    check_values(Case(q_len=40, causal=False, window=9, documents=True, ssmax=True), "gpu")
+
+
+def test_traced_query_offset_under_jit() -> None:
+    case = Case(q_len=16, offset=40, ssmax=True, prior=None, kv_heads=4)
+    inputs = make_inputs(case)
+
+    @jax.jit
+    def run(offset):
+        return run_kernel(case, "gpu", inputs, query_offset=offset)
+
+    np.testing.assert_allclose(
+        run(jnp.int32(case.offset)), run_reference(case, inputs), atol=2e-5, rtol=2e-5
+    )
+
+
+def test_padding_rows_are_zero_and_have_zero_gradient() -> None:
+    case = Case(q_len=32, documents=True, ssmax=True)
+    inputs = make_inputs(case)
+    out = run_kernel(case, "gpu", inputs)
+    padding = np.asarray(inputs["q_seg"]) < 0
+    assert padding.any()
+    np.testing.assert_array_equal(np.asarray(out)[padding], 0.0)
+    grad_k = jax.grad(lambda k: jnp.sum(run_kernel(case, "gpu", dict(inputs, k=k))))(inputs["k"])
+    k_padding = np.asarray(inputs["k_seg"]) < 0
+    np.testing.assert_array_equal(np.asarray(grad_k)[k_padding], 0.0)
+    assert np.all(np.isfinite(np.asarray(grad_k)))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("causal", [True, False])
+def test_visible_key_counts_match_mask(causal: bool, window: int | None) -> None:
+    rng = np.random.default_rng(3)
+    q_len, kv_len, offset = 9, 30, 17
+    k_seg = jnp.asarray(rng.integers(-1, 3, size=(3, kv_len)), jnp.int32)  # interleaved ids
+    q_seg = k_seg[:, offset : offset + q_len]
+    positions = jnp.arange(q_len) + offset
+    for segs in ((None, None), (q_seg, k_seg)):
+        mask = visibility_mask(positions, jnp.arange(kv_len), *segs, causal=causal, window=window)
+        counts = visible_key_counts(q_len, kv_len, offset, *segs, causal=causal, window=window)
+        np.testing.assert_array_equal(counts, mask.sum(-1))
+
+
+def test_bad_arguments_raise() -> None:
+    case = Case(q_len=8)
+    inputs = make_inputs(case)
+    with pytest.raises(ValueError, match="query_segment_ids_BxT"):
+        run_kernel(case, "gpu", inputs, query_segment_ids_BxT=jnp.zeros((2, 8), jnp.int32))
+    with pytest.raises(ValueError, match="backend"):
+        run_kernel(case, "cuda", inputs)
+    with pytest.raises(ValueError, match="ssmax_scale_H"):
+        run_kernel(case, "gpu", inputs, ssmax_scale_H=jnp.ones((3,)))
+    with pytest.raises(ValueError, match="query_offset"):
+        run_kernel(case, "gpu", inputs, query_offset=-1)
+
+    class OtherPrior:
+        num_heads = 4
+
+        def bias(self, distance):
+            return jnp.zeros((4, *distance.shape))
+
+    with pytest.raises(NotImplementedError, match="GGDPrior"):
+        run_kernel(case, "gpu", inputs, prior=OtherPrior())
+
+
+def test_dispatch_and_default_implementation() -> None:
+    expected = "pallas" if jax.default_backend() in ("gpu", "tpu") else "blockwise"
+    assert default_implementation() == expected
+    if jax.default_backend() == "cpu":
+        case = Case(q_len=8)
+        inputs = make_inputs(case)
+        with pytest.raises(ValueError, match="interpret=True"):
+            dot_product_attention(
+                inputs["q"],
+                inputs["k"],
+                inputs["v"],
+                prior=inputs["prior"],
+                implementation="pallas",
+            )
+
+
+LOWERING_CASES = {
+    "ggd_ssmax_documents_gqa": Case(
+        q_len=1024, documents=True, ssmax=True, head_dim=64, block_q=None, block_k=None
+    ),
+    "alibi_outside_window_hd48_offset": Case(
+        q_len=300,
+        offset=77,
+        prior="alibi",
+        ssmax=True,
+        prior_inside=False,
+        window=128,
+        block_q=None,
+        block_k=None,
+    ),
+}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("name", sorted(LOWERING_CASES))
+def test_kernels_lower_for_accelerators(name: str, platform: str) -> None:
+    case = LOWERING_CASES[name]
+    inputs = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 and x.ndim == 4 else x,
+        make_inputs(case),
+    )
+
+    def forward(q, k, v, prior, ssmax):
+        return pallas_attention(
+            q,
+            k,
+            v,
+            **attention_kwargs(case, dict(inputs, prior=prior, ssmax=ssmax)),
+            backend="gpu" if platform == "cuda" else "tpu",
+        )
+
+    args = (inputs["q"], inputs["k"], inputs["v"], inputs["prior"], inputs["ssmax"])
+    text = jax.jit(forward).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert ("xla.gpu.triton" in text) if platform == "cuda" else ("tpu_custom_call" in text)
+
+
+# ---------------------------------------------------------------------------------------
+# Fuller grid: pytest -m slow tests/test_pallas_attention.py
+
+SLOW_GRID = itertools.product(
+    [(1, 0), (7, 0), (64, 0), (129, 0), (7, 33), (64, 65)],  # (q_len, query_offset)
+    [False, True],  # documents
+    [(False, True), (True, True), (True, False)],  # (ssmax, prior inside)
+    [0.0, 0.5],  # theta_mu
+    [1, 4],  # kv heads
+    [(16, 32), (32, 16)],  # (block_q, block_k)
+)
+SLOW_CASES = [
+    Case(
+        q_len=q_len,
+        offset=offset,
+        documents=docs,
+        ssmax=ssmax,
+        prior_inside=inside,
+        theta_mu=mu,
+        kv_heads=kv_heads,
+        block_q=bq,
+        block_k=bk,
+    )
+    for (q_len, offset), docs, (ssmax, inside), mu, kv_heads, (bq, bk) in SLOW_GRID
+    if not (q_len == 1 and docs)
+][::5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("case", SLOW_CASES, ids=str)
+def test_values_full_grid(case: Case, backend: str) -> None:
+    check_values(case, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(q_len=129, documents=True, ssmax=True, theta_mu=0.5, block_q=32, block_k=16),
+        Case(q_len=129, ssmax=True, prior_inside=False, kv_heads=1),
+        Case(q_len=64, offset=65, prior="alibi", ssmax=True, documents=True),
+        Case(q_len=64, prior=None, ssmax=True, head_dim=64),
+        Case(q_len=50, window=17, ssmax=True, documents=True),
+        Case(q_len=1, offset=40, ssmax=True),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_gradients_full_grid(case: Case, backend: str) -> None:
+    check_gradients(case, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(q_len=64, window=20, ssmax=True, block_q=16, block_k=16),
+        Case(q_len=33, causal=False, ssmax=True, prior="alibi"),
+        Case(q_len=64, prior=None, kv_heads=4, block_q=32, block_k=32),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_windows_and_plain_attention(case: Case, backend: str) -> None:
+    check_values(case, backend)
+
+
+@pytest.mark.slow
+def test_bfloat16_inputs() -> None:
+    case = Case(q_len=64, ssmax=True)
+    inputs = make_inputs(case)
+    inputs_bf16 = {
+        **inputs,
+        **{name: inputs[name].astype(jnp.bfloat16) for name in ("q", "k", "v")},
+    }
+    out = run_kernel(case, "gpu", inputs_bf16)
+    assert out.dtype == jnp.bfloat16
+    expected = run_reference(case, inputs_bf16)
+    np.testing.assert_allclose(
+        out.astype(jnp.float32), expected.astype(jnp.float32), atol=3e-2, rtol=3e-2
+    )
