@@ -9,8 +9,8 @@ from bam_jax.model import (
     PriorParam,
     SSMaxParam,
     Transformer,
-    convert_layout,
     count_params,
+    reconfigure,
 )
 from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
 from bam_jax.priors import (
@@ -38,7 +38,6 @@ __all__ = [
     "alibi_prior",
     "alibi_slopes",
     "apply_rope",
-    "convert_layout",
     "count_params",
     "decode_step",
     "dot_product_attention",
@@ -47,6 +46,7 @@ __all__ = [
     "init_cache",
     "init_ggd_prior",
     "prefill",
+    "reconfigure",
     "reference_attention",
     "sinusoidal_embedding",
 ]

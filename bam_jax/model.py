@@ -43,6 +43,12 @@ class PriorConstant(nnx.Variable):
     """A frozen positional parameter (prior or SSMax scale): stored, not trained."""
 
 
+# Collection names of these variables when the modules are used from Linen (nnx.bridge).
+nnx.register_variable_name("prior_params", PriorParam, overwrite=True)
+nnx.register_variable_name("ssmax_params", SSMaxParam, overwrite=True)
+nnx.register_variable_name("prior_constants", PriorConstant, overwrite=True)
+
+
 def _torch_linear_init(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for an [in, out] kernel, torch.nn.Linear's default."""
     return jax.nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")(key, shape, dtype)
@@ -368,18 +374,28 @@ def count_params(model: nnx.Module) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model)))
 
 
-def convert_layout(model: Transformer, *, scan_layers: bool) -> Transformer:
-    """The same weights in the other layer layout (stacked for scan, or a list of blocks)."""
-    config = model.config.replace(scan_layers=scan_layers)
+def reconfigure(model: Transformer, **changes: Any) -> Transformer:
+    """The same weights under a changed config, e.g. `scan_layers`, `remat`, `dtype`,
+    `attention_impl`, `local_window`: anything that keeps the set of parameters.
+
+    Switching `scan_layers` stacks the blocks' weights along a leading layer axis (or
+    splits them back into a list of blocks).
+    """
+    config = model.config.replace(**changes)
     converted = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     weights = nnx.to_pure_dict(nnx.state(model))
     layers = weights.pop("layers")
-    if model.config.scan_layers and not scan_layers:
+    if model.config.scan_layers and not config.scan_layers:
         layers = {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(config.n_layers)}
-    elif scan_layers and not model.config.scan_layers:
+    elif config.scan_layers and not model.config.scan_layers:
         layers = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in range(len(layers))))
     weights["layers"] = layers
     state = nnx.state(converted)
-    nnx.replace_by_pure_dict(state, weights)
+    try:
+        nnx.replace_by_pure_dict(state, weights)
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"config changes {sorted(changes)} change the parameter set") from error
+    if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(state)):
+        raise ValueError(f"config changes {sorted(changes)} add parameters")
     nnx.update(converted, state)
     return converted
