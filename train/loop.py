@@ -69,7 +69,7 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation) -> Call
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss_sum / denom,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "trained_tokens": count,
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -23,7 +23,7 @@ def variable_group(variable: nnx.Variable) -> str:
         return "prior"
     if isinstance(variable, SSMaxParam):
         return "ssmax"
-    return "decay" if variable.value.ndim >= 2 else "no_decay"
+    return "decay" if jnp.ndim(variable.get_value()) >= 2 else "no_decay"
 
 
 def schedule(peak: float, cfg: OptimConfig, total_steps: int) -> optax.Schedule:

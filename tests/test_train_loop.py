@@ -1,0 +1,146 @@
+"""End-to-end training on CPU: loss falls, checkpoints, exact resume, NaN stop, dry run."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs.presets import preset
+from train.checkpoint import load_model, read_config
+from train.data import DataConfig
+from train.loop import NonFiniteLossError, build, dry_run, train
+from train.metrics import read_metrics
+from train.state import ModelParts
+
+STEPS = 12
+WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "green", "blue", "sun", "sky")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """Runs of one config compile the same programs: let them share a persistent cache."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    previous = {name: getattr(jax.config, name) for name in names}
+    values = (str(tmp_path_factory.mktemp("xla_cache")), 0, -1)
+    for name, value in zip(names, values, strict=True):
+        jax.config.update(name, value)
+    cc.reset_cache()
+    yield
+    for name, value in previous.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A few hundred short documents of random words, one per .jsonl line."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(300):
+            words = rng.choice(WORDS, size=int(rng.integers(5, 30)))
+            f.write(json.dumps({"text": " ".join(words) + "."}) + "\n")
+    return str(path)
+
+
+def small_config(corpus, **changes):
+    """A byte-level model on a text corpus: quick steps and a loss that falls at once."""
+    cfg = preset("micro")
+    fields = dict(
+        model=cfg.model.replace(vocab_size=259, max_seq_len=64),
+        data=DataConfig(source="text", path=corpus, tokenizer="byte", val_rows=8),
+        optim=dataclasses.replace(cfg.optim, lr=3e-2),
+        steps=STEPS,
+        batch_size=4,
+        log_every=1,
+        eval_every=4,
+        eval_batches=2,
+        checkpoint_every=STEPS // 2,
+    )
+    return cfg.replace(**{**fields, **changes})
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, corpus):
+    workdir = str(tmp_path_factory.mktemp("full"))
+    result = train(small_config(corpus), workdir)
+    return workdir, result
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory, corpus):
+    workdir = str(tmp_path_factory.mktemp("resumed"))
+    first = train(small_config(corpus), workdir, stop_after=STEPS // 2)
+    second = train(small_config(corpus), workdir)
+    return workdir, first, second
+
+
+def losses(workdir):
+    return [(r["step"], r["loss"]) for r in read_metrics(workdir) if "loss" in r]
+
+
+def val_losses(workdir):
+    return [(r["step"], r["val_loss"]) for r in read_metrics(workdir) if "val_loss" in r]
+
+
+def test_loss_falls(full_run):
+    workdir, result = full_run
+    curve = [loss for _, loss in losses(workdir)]
+    assert result.step == STEPS and len(curve) == STEPS
+    assert np.mean(curve[-3:]) < np.mean(curve[:3]) - 0.3
+
+
+def test_checkpoints_and_config_are_written(full_run, corpus):
+    workdir, _ = full_run
+    steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+    assert steps == [STEPS // 2, STEPS]
+    cfg, step = read_config(workdir)
+    assert step == STEPS and cfg == small_config(corpus)
+    assert os.path.isfile(os.path.join(workdir, "config.json"))
+    assert any(f.startswith("events") for f in os.listdir(os.path.join(workdir, "tensorboard")))
+
+
+def test_resume_is_exact(full_run, resumed_run):
+    full_dir, full = full_run
+    resumed_dir, first, second = resumed_run
+    assert first.step == STEPS // 2 and second.step == STEPS
+    assert losses(resumed_dir) == losses(full_dir)
+    assert val_losses(resumed_dir) == val_losses(full_dir) and len(val_losses(full_dir)) == 3
+    for a, b in zip(
+        jax.tree.leaves(full.state.params), jax.tree.leaves(second.state.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_load_model_returns_the_trained_weights(full_run, corpus):
+    workdir, result = full_run
+    config, model = load_model(workdir)
+    assert config == small_config(corpus).model
+    params, _ = ModelParts.from_config(config)[0].split(model)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(result.state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus):
+    cfg = small_config(corpus, steps=6, checkpoint_every=1)
+    cfg = cfg.replace(optim=dataclasses.replace(cfg.optim, lr=1e30, clip_norm=0.0))
+    with pytest.raises(NonFiniteLossError, match="last good checkpoint is step"):
+        train(cfg, str(tmp_path))
+    saved = read_config(str(tmp_path))[1]
+    records = losses(str(tmp_path))
+    assert saved == records[-1][0] and all(np.isfinite(loss) for _, loss in records)
+
+
+def test_dry_run_reports_params_and_memory(corpus):
+    report = dry_run(build(small_config(corpus)))
+    assert report["params"] > 10_000
+    assert report["per_device_bytes"]["total"] > 0
