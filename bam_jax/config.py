@@ -20,7 +20,7 @@ ENCODINGS = (
     "bam_ssmax",
 )
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLEMENTATIONS = ("reference", "blockwise")
+ATTENTION_IMPLEMENTATIONS = ("reference", "blockwise", "pallas")
 ALPHA_INIT_MODES = ("slope", "sampled")
 BETA_INIT_MODES = ("linear", "sampled")
 
@@ -75,7 +75,7 @@ class ModelConfig:
     sinusoidal_theta: float = 10000.0
     local_window: int | None = None
     dtype: str = "float32"
-    attention_impl: str = "reference"
+    attention_impl: str = "blockwise"
     block_q: int = 512
     block_k: int = 512
     remat: bool = False
