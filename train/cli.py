@@ -95,14 +95,28 @@ def _rewrite_config_flag(argv: list[str]) -> list[str]:
         if arg.startswith("--config="):
             value = arg.split("=", 1)[1]
             if not value.split(":", 1)[0].endswith(".py"):
+                _check_config_spec(value)
                 arg = f"--config={_presets_file()}:{value}"
         out.append(arg)
     return out
 
 
-def define_flags(flag_values: flags.FlagValues) -> None:
+def _check_config_spec(spec: str) -> None:
+    from configs.presets import PRESETS
+
+    if spec.endswith(".json"):
+        load_config(spec)
+    elif spec not in PRESETS:
+        raise ValueError(
+            f"config: unknown preset {spec!r}; expected one of {sorted(PRESETS)}, "
+            "a .py file with get_config() or a .json file"
+        )
+
+
+def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -> None:
+    """Define the flags; `argv` names the `--config.FIELD` overrides to accept."""
     config_flags.DEFINE_config_file(
-        "config", None, CONFIG_HELP, flag_values=flag_values, lock_config=True
+        "config", None, CONFIG_HELP, flag_values=flag_values, lock_config=True, sys_argv=argv
     )
     flags.DEFINE_string(
         "workdir", None, "Run directory: checkpoints, metrics, config.", flag_values=flag_values
@@ -142,9 +156,16 @@ def define_flags(flag_values: flags.FlagValues) -> None:
 
 def parse_args(argv: list[str]) -> tuple[TrainConfig, flags.FlagValues]:
     """Parse a full argv (program name first) into a validated config and the flags."""
+    argv = _rewrite_config_flag(argv)
     flag_values = flags.FlagValues()
-    define_flags(flag_values)
-    flag_values(_rewrite_config_flag(argv))
+    define_flags(flag_values, argv)
+    try:
+        flag_values(argv)
+    except (KeyError, AttributeError) as err:
+        raise ValueError(f"config: unknown field {err}") from None
+    except flags.IllegalFlagValueError as err:
+        lines = str(err).strip().splitlines()
+        raise ValueError(lines[-1] if "Traceback" in str(err) else lines[0]) from None
     if flag_values.config is None:
         raise ValueError(f"--config is required: {CONFIG_HELP}")
     return to_train_config(flag_values.config), flag_values

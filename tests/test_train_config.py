@@ -1,0 +1,157 @@
+"""Command line, presets, overrides and the errors raised before anything compiles."""
+
+import dataclasses
+import json
+
+import pytest
+
+from configs.presets import PAPER_SIZES, PRESETS, preset
+from train.cli import main, parse_args
+from train.config import MeshConfig, TrainConfig, validate_for_runtime
+from train.data import DataConfig
+
+PROG = "bam-train"
+
+
+def test_overrides_of_nested_fields():
+    cfg, flags = parse_args(
+        [
+            PROG,
+            "--config=tiny",
+            "--workdir=/tmp/x",
+            "--config.steps=7",
+            "--config.model.encoding=rope",
+            "--config.model.n_kv_heads=2",
+            "--config.model.prior_alpha_init=slope",
+            "--config.optim.lr=3e-4",
+            "--config.mesh.fsdp=2",
+            "--config.data.tokenizer=byte",
+        ]
+    )
+    assert isinstance(cfg, TrainConfig) and flags.workdir == "/tmp/x"
+    assert (cfg.steps, cfg.model.encoding, cfg.model.n_kv_heads) == (7, "rope", 2)
+    assert cfg.model.prior_alpha_init == "slope" and cfg.optim.lr == 3e-4
+    assert cfg.mesh.fsdp == 2 and cfg.data.tokenizer == "byte"
+
+
+def test_config_from_python_file_and_resolved_json(tmp_path):
+    py = tmp_path / "my_config.py"
+    py.write_text(
+        "from configs.presets import preset\n"
+        "from train.cli import config_dict_from\n"
+        "def get_config():\n"
+        "    return config_dict_from(preset('micro').replace(steps=3))\n"
+    )
+    cfg, _ = parse_args([PROG, f"--config={py}", "--config.batch_size=2"])
+    assert cfg == preset("micro").replace(steps=3, batch_size=2)
+    js = tmp_path / "config.json"
+    js.write_text(json.dumps(cfg.to_dict()))
+    assert parse_args([PROG, f"--config={js}"])[0] == cfg
+
+
+def test_every_preset_builds_and_paper_presets_follow_the_recipe():
+    for name in PRESETS:
+        assert isinstance(preset(name), TrainConfig)
+    for size in PAPER_SIZES:
+        for context in (512, 1024):
+            cfg = preset(f"{size}_{context}")
+            assert cfg.model.max_seq_len == context and cfg.model.encoding == "bam_ssmax"
+            assert cfg.accum_steps * cfg.tokens_per_pass == 589_824
+            assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.b2) == (1e-3, 0.1, 0.95)
+            assert cfg.optim.final_lr_fraction == 0.1 and cfg.optim.warmup_steps == 0
+            assert cfg.model.dtype == "bfloat16" and cfg.eval_every == 32
+
+
+def test_help_documents_the_override_syntax(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([PROG, "--help"])
+    assert exit_info.value.code == 0
+    assert "--config.FIELD=VALUE" in capsys.readouterr().out
+
+
+# One test per kind of bad input; all are raised before anything is compiled.
+
+
+def test_unknown_encoding():
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        parse_args([PROG, "--config=tiny", "--config.model.encoding=rotary"])
+
+
+def test_heads_not_dividing_dim():
+    with pytest.raises(ValueError, match=r"dim \(64\) must be divisible by n_heads \(3\)"):
+        parse_args([PROG, "--config=tiny", "--config.model.n_heads=3"])
+
+
+def test_unknown_field_and_wrong_type_are_flag_errors(capsys):
+    assert main_exit_code([PROG, "--config=tiny", "--workdir=/tmp/x", "--config.stepz=3"]) == 2
+    assert main_exit_code([PROG, "--config=tiny", "--workdir=/tmp/x", "--config.steps=a"]) == 2
+    assert "config.steps" in capsys.readouterr().err
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        parse_args([PROG, "--config=huge"])
+
+
+def test_batch_not_divisible_by_data_parallel_size():
+    cfg = preset("tiny").replace(batch_size=12)
+    with pytest.raises(ValueError, match=r"batch_size \(12\) must be divisible by .* = 8"):
+        validate_for_runtime(cfg, n_devices=8)
+
+
+def test_mesh_larger_than_device_count():
+    cfg = preset("tiny").replace(mesh=MeshConfig(data=2, fsdp=2, tensor=2))
+    with pytest.raises(ValueError, match=r"mesh: .* needs 8 devices .* 4 are available"):
+        validate_for_runtime(cfg, n_devices=4)
+
+
+def test_mesh_that_does_not_use_every_device():
+    cfg = preset("tiny").replace(mesh=MeshConfig(data=2, fsdp=1, tensor=1))
+    with pytest.raises(ValueError, match=r"mesh: .* uses 2 devices, but 4"):
+        validate_for_runtime(cfg, n_devices=4)
+
+
+def test_missing_data_path():
+    cfg = preset("tiny").replace(data=DataConfig(source="text", path="/no/such/corpus"))
+    with pytest.raises(ValueError, match=r"data.path: '/no/such/corpus' does not exist"):
+        validate_for_runtime(cfg, n_devices=1)
+    with pytest.raises(ValueError, match=r"data.path is required"):
+        validate_for_runtime(preset("l6_512").replace(data=DataConfig(source="shards")), 1)
+
+
+def test_tokenizer_vocabulary_larger_than_the_model():
+    cfg = preset("tiny")
+    cfg = cfg.replace(model=cfg.model.replace(vocab_size=1000))
+    with pytest.raises(ValueError, match=r"model.vocab_size \(1000\) is smaller .* \(32768\)"):
+        validate_for_runtime(cfg, n_devices=1)
+
+
+def test_tokens_per_step_not_a_multiple_of_a_pass():
+    with pytest.raises(ValueError, match=r"tokens_per_step .* must be a multiple"):
+        preset("tiny").replace(tokens_per_step=1000)
+
+
+def test_bad_optimizer_value():
+    with pytest.raises(ValueError, match=r"optim.b2"):
+        parse_args([PROG, "--config=tiny", "--config.optim.b2=1.5"])
+
+
+def test_unknown_field_in_a_json_config(tmp_path):
+    js = tmp_path / "config.json"
+    d = preset("tiny").to_dict()
+    d["model"]["depth"] = 3
+    js.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"model: unknown fields \['depth'\]"):
+        parse_args([PROG, f"--config={js}"])
+
+
+def test_dataclass_round_trip():
+    cfg = preset("l12_1024")
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert dataclasses.asdict(cfg)["model"]["dim"] == 768
+
+
+def main_exit_code(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value.code
