@@ -141,8 +141,8 @@ class Attention(nnx.Module):
     def __call__(
         self,
         x_BxTxD: jax.Array,
-        *,
         segment_ids_BxT: jax.Array | None = None,
+        *,
         prior: Prior | None = None,
         kv: KV | None = None,
         cache_length: jax.Array | None = None,
