@@ -139,10 +139,12 @@ class Setup:
         )
 
 
-def build(cfg: TrainConfig) -> Setup:
-    """Validate against the runtime, then build mesh, optimizer, shardings and jitted steps."""
-    validate_for_runtime(cfg, jax.device_count(), jax.process_count())
-    mesh = make_mesh(cfg.mesh)
+def build(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> Setup:
+    """Validate against the runtime, then build mesh, optimizer, shardings and jitted steps
+    (on `devices`, default all)."""
+    devices = jax.devices() if devices is None else devices
+    validate_for_runtime(cfg, len(devices), jax.process_count())
+    mesh = make_mesh(cfg.mesh, devices)
     parts, _, _ = ModelParts.from_config(cfg.model)
     tx = make_optimizer(cfg.optim, cfg.steps, parts.labels)
     init_fn = functools.partial(init_state, cfg.model, parts, tx, cfg.seed)
