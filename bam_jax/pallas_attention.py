@@ -5,6 +5,8 @@ Two variants share the tile math (`_row_coefficients`, `_tile_logits2`, `_online
 
 - "gpu" (Triton lowering): grid (query blocks, batch, heads); each program keeps its
   query tile and loops over key blocks up to the causal diagonal with `lax.fori_loop`.
+  The prior depends only on k_pos - q_pos, so with block_q = m * block_k each GGD tile is
+  evaluated once and reused by the m query sub-blocks (m times fewer exp2/log2).
 - "tpu" (Mosaic lowering): grid (batch, heads, query blocks, key blocks); the running
   max, sum and accumulator live in VMEM scratch across the key-block axis, and the key
   index map is clamped to the visible band so skipped blocks are never fetched.
@@ -41,7 +43,7 @@ Backend = Literal["gpu", "tpu"]
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 _GPU_MAX_BLOCK_Q = 128
-_GPU_MAX_BLOCK_K = 128
+_GPU_MAX_BLOCK_K = 64
 _TPU_LANES = 128
 _BACKWARD_BLOCK = 512
 _NUM_HEAD_PARAMS = 8  # coef, beta, mu, ssmax scale, padding
@@ -73,6 +75,7 @@ class _Static:
     segments: bool
     num_warps: int | None
     num_stages: int | None
+    q_splits: int = 1
 
     @property
     def padded_q_len(self) -> int:
@@ -105,6 +108,7 @@ def pallas_attention(
     backend: Backend | None = None,
     interpret: bool = False,
     approx_math: bool = True,
+    prior_reuse: bool = True,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> jax.Array:
@@ -115,10 +119,12 @@ def pallas_attention(
         .lower(lowering_platforms=("tpu",))`). On CPU pass a backend and `interpret=True`
         (Pallas interpret mode; "tpu" then uses TPU interpret semantics).
     block_q, block_k: tile sizes (None = backend default). On GPU they are capped at 128
-        (register file); on TPU a key block smaller than the keys is rounded to a multiple
-        of 128 lanes.
+        and 64 (register file; the defaults); on TPU a key block smaller than the keys is
+        rounded to a multiple of 128 lanes.
     approx_math: on a compiled GPU kernel, use the hardware approximate exp2/log2 for the
         prior and softmax (about 2 ulp). Ignored in interpret mode and on TPU.
+    prior_reuse: on GPU with block_q a multiple of block_k, evaluate each GGD tile once
+        and reuse it for the next query sub-block (see `_gpu_kernel`).
     num_warps, num_stages: Triton launch parameters (None = defaults by head dim).
     """
     if query_BxTxHxD.ndim != 4 or key_BxSxKxD.ndim != 4 or value_BxSxKxD.ndim != 4:
@@ -159,6 +165,8 @@ def pallas_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if prior_reuse and backend == "gpu" and static.prior_kind == "ggd":
+        static = dataclasses.replace(static, q_splits=_reuse_splits(block_q, block_k))
     if ssmax_scale_H is not None and ssmax_scale_H.shape != (num_heads,):
         raise ValueError(f"ssmax_scale_H must have shape ({num_heads},), got {ssmax_scale_H.shape}")
     offset = jnp.asarray(query_offset, jnp.int32).reshape(1)
@@ -229,6 +237,13 @@ def _choose_blocks(
     lanes = 8 if interpret else _TPU_LANES
     bk = _round_up(block_k or 512, lanes)
     return bq, _round_up(kv_len, 8) if bk >= kv_len else bk
+
+
+def _reuse_splits(block_q: int, block_k: int) -> int:
+    """Query sub-blocks of block_k rows sharing GGD tiles (1: no reuse)."""
+    if block_q <= block_k or block_q % block_k:
+        return 1
+    return block_q // block_k
 
 
 def _prior_kind(prior: Prior | None, num_heads: int) -> Literal["none", "ggd", "alibi"]:
@@ -325,7 +340,7 @@ def _ptx_unary(instruction: str) -> Callable[[jax.Array], jax.Array]:
         [y] = plgpu.elementwise_inline_asm(
             f"{instruction} $0, $1;",
             args=[x],
-            constraints="=r,r",
+            constraints="=f,f",
             pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
         )
@@ -365,6 +380,19 @@ def _row_coefficients(static: _Static, head: _HeadScalars, log_n_Qx1: jax.Array 
     return _Rows(content=content, prior=prior)
 
 
+def _ggd_unit(
+    math_ops: _Math, head: _HeadScalars, relative_start: jax.Array, shape: tuple[int, int]
+) -> jax.Array:
+    """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [Q, K]."""
+    distance = (
+        relative_start
+        + lax.broadcasted_iota(jnp.int32, shape, 1)
+        - lax.broadcasted_iota(jnp.int32, shape, 0)
+    )
+    gap = jnp.abs(distance.astype(jnp.float32) - head.mu) + jnp.float32(GGD_EPS)
+    return math_ops.exp2(head.beta * math_ops.log2(gap))
+
+
 def _tile_logits2(
     static: _Static,
     math_ops: _Math,
@@ -376,8 +404,13 @@ def _tile_logits2(
     rows: _Rows,
     q_seg_Qx1: jax.Array | None,
     k_seg_1xK: jax.Array | None,
+    ggd_unit_QxK: jax.Array | None = None,
 ) -> jax.Array:
-    """Masked logits of one tile in log2 units (-inf where not visible), float32 [Q, K]."""
+    """Masked logits of one tile in log2 units (-inf where not visible), float32 [Q, K].
+
+    ggd_unit_QxK: the GGD tile without its per-row coefficient when the caller already has
+    it (the GPU kernel reuses it across query sub-blocks); computed here otherwise.
+    """
     shape = (q_QxD.shape[0], k_KxD.shape[0])
     scores = lax.dot_general(
         q_QxD, k_KxD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -387,8 +420,9 @@ def _tile_logits2(
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
     distance = k_pos - q_pos
     if static.prior_kind == "ggd":
-        gap = jnp.abs(distance.astype(jnp.float32) - head.mu) + jnp.float32(GGD_EPS)
-        logits = logits - math_ops.exp2(head.beta * math_ops.log2(gap)) * rows.prior
+        if ggd_unit_QxK is None:
+            ggd_unit_QxK = _ggd_unit(math_ops, head, k_start - q_start, shape)
+        logits = logits - ggd_unit_QxK * rows.prior
     elif static.prior_kind == "alibi":
         logits = logits - jnp.abs(distance).astype(jnp.float32) * rows.prior
     visible = k_pos < static.kv_len
@@ -464,33 +498,85 @@ def _load_head(load: Callable[[int], jax.Array]) -> _HeadScalars:
 # GPU (Triton) variant
 
 
+class _SubBlock(NamedTuple):
+    """Rows of the query block that share one online-softmax state."""
+
+    rows: pl.Slice
+    q_start: jax.Array
+    q_RxD: jax.Array
+    coefficients: _Rows
+    seg_Rx1: jax.Array | None
+
+
 def _gpu_kernel(static: _Static, offset_ref, head_ref, q_ref, k_ref, v_ref, *refs):
+    """One query block against its visible key blocks.
+
+    With q_splits = m > 1 the query block is m sub-blocks of block_k rows each. The GGD
+    tile of sub-block s at key block j equals that of sub-block 0 at key block j - s, so
+    each step evaluates the prior's exp2/log2 for one sub-block only and carries the last
+    m - 1 tiles: the prior's transcendental cost drops by a factor m.
+    """
     refs = list(refs)
     log_n_ref = refs.pop(0) if static.ssmax else None
     q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if static.segments else (None, None)
     out_ref, lse_ref = refs
     math_ops = _math_for(static)
+    bk, splits = static.block_k, static.q_splits
+    sub_rows = static.block_q // splits
     q_block = pl.num_programs(0) - 1 - pl.program_id(0)  # longest rows first
     q_start = offset_ref[0] + q_block * static.block_q
     head = _load_head(lambda j: head_ref[j])
-    rows = _row_coefficients(static, head, None if log_n_ref is None else log_n_ref[...])
-    q_QxD = q_ref[...]
-    q_seg = None if q_seg_ref is None else q_seg_ref[...]
-
-    def body(k_block, carry: _Carry) -> _Carry:
-        k_start = pl.multiple_of(k_block * static.block_k, static.block_k)
-        keys = pl.ds(k_start, static.block_k)
-        k_seg = None if k_seg_ref is None else k_seg_ref[:, keys]
-        logits = _tile_logits2(
-            static, math_ops, q_QxD, k_ref[keys, :], q_start, k_start, head, rows, q_seg, k_seg
+    subs = []
+    for s in range(splits):
+        rows = pl.ds(s * sub_rows, sub_rows)
+        log_n = None if log_n_ref is None else log_n_ref[rows, :]
+        subs.append(
+            _SubBlock(
+                rows=rows,
+                q_start=q_start + s * sub_rows,
+                q_RxD=q_ref[rows, :],
+                coefficients=_row_coefficients(static, head, log_n),
+                seg_Rx1=None if q_seg_ref is None else q_seg_ref[rows, :],
+            )
         )
-        return _online_update(math_ops, carry, logits, v_ref[keys, :])
+    reuse = static.prior_kind == "ggd"
+
+    def unit_at(k_start):
+        return _ggd_unit(math_ops, head, k_start - q_start, (sub_rows, bk))
+
+    def body(k_block, state):
+        carries, window = state
+        k_start = pl.multiple_of(k_block * bk, bk)
+        keys = pl.ds(k_start, bk)
+        k_KxD, v_KxD = k_ref[keys, :], v_ref[keys, :]
+        k_seg = None if k_seg_ref is None else k_seg_ref[:, keys]
+        units = (unit_at(k_start), *window) if reuse else (None,) * splits
+        new_carries = []
+        for sub, carry, unit in zip(subs, carries, units, strict=True):
+            logits = _tile_logits2(
+                static,
+                math_ops,
+                sub.q_RxD,
+                k_KxD,
+                sub.q_start,
+                k_start,
+                head,
+                sub.coefficients,
+                sub.seg_Rx1,
+                k_seg,
+                unit,
+            )
+            new_carries.append(_online_update(math_ops, carry, logits, v_KxD))
+        return tuple(new_carries), units[:-1] if reuse else ()
 
     start, stop = _key_block_range(static, q_start)
-    carry = lax.fori_loop(start, stop, body, _init_carry(static.block_q, q_QxD.shape[1]))
-    out, lse = _finalize(carry)
-    out_ref[...] = out.astype(out_ref.dtype)
-    lse_ref[...] = lse
+    window = tuple(unit_at((start - s) * bk) for s in range(1, splits)) if reuse else ()
+    carries = tuple(_init_carry(sub_rows, q_ref.shape[1]) for _ in range(splits))
+    carries, _ = lax.fori_loop(start, stop, body, (carries, window))
+    for sub, carry in zip(subs, carries, strict=True):
+        out, lse = _finalize(carry)
+        out_ref[sub.rows, :] = out.astype(out_ref.dtype)
+        lse_ref[sub.rows, :] = lse
 
 
 def _gpu_forward(static: _Static, q, k, v, head_params_HxP, log_n, q_seg, k_seg, offset):

@@ -5,7 +5,8 @@ On a GPU (or TPU) this times, for every sequence length and head dim:
   pallas        the same kernel without any prior
   cudnn         jax.nn.dot_product_attention(implementation="cudnn", is_causal=True), GPU only
 (optional variants: pallas+ggd+ssmax, pallas+alibi, pallas+ggd-exact: exact exp2/log2 instead
-of the hardware approximations). Causal forward FLOPs = 2 * 2 * B * H * T * T / 2 * D.
+of the hardware approximations, pallas+ggd-noreuse: each GGD tile evaluated per query
+sub-block instead of reused). Causal forward FLOPs = 2 * 2 * B * H * T * T / 2 * D.
 Before timing it checks the compiled kernel against the reference oracle (values and
 gradients) at a small size. Every configuration is caught separately; failures appear in
 the table. Rows are printed as they finish, so a run cut short by a timeout keeps them.
@@ -34,7 +35,7 @@ from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
 
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
-DEFAULT_VARIANTS = ("pallas+ggd", "pallas", "cudnn")
+DEFAULT_VARIANTS = ("pallas+ggd", "pallas", "cudnn", "pallas+ggd-noreuse")
 ALL_VARIANTS = (
     "pallas+ggd",
     "pallas",
@@ -42,6 +43,7 @@ ALL_VARIANTS = (
     "pallas+ggd+ssmax",
     "pallas+alibi",
     "pallas+ggd-exact",
+    "pallas+ggd-noreuse",
 )
 
 
@@ -112,6 +114,7 @@ def build_variant(variant: str, args: argparse.Namespace, backend: str, heads: i
         backend=backend,
         interpret=args.interpret,
         approx_math="exact" not in variant,
+        prior_reuse="noreuse" not in variant,
         block_q=args.block_q,
         block_k=args.block_k,
         num_warps=args.num_warps,

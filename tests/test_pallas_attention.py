@@ -362,6 +362,7 @@ def test_gradients_full_grid(case: Case, backend: str) -> None:
     "case",
     [
         Case(q_len=64, window=20, ssmax=True, block_q=16, block_k=16),
+        Case(q_len=100, offset=13, window=21, ssmax=True, documents=True, block_q=64, block_k=16),
         Case(q_len=33, causal=False, ssmax=True, prior="alibi"),
         Case(q_len=64, prior=None, kv_heads=4, block_q=32, block_k=32),
     ],
