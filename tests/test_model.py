@@ -38,7 +38,10 @@ SEGMENTS = jnp.array([[7] * 4 + [0] * 8, [0] * 8 + [1] * 4])
 
 
 def micro(encoding: str = "bam_ssmax", **overrides) -> ModelConfig:
-    return ModelConfig.preset("micro", encoding=encoding, **overrides)
+    """The micro preset; the plain-einsum attention (cheap to compile) unless overridden."""
+    return ModelConfig.preset(
+        "micro", encoding=encoding, **{"attention_impl": "reference", **overrides}
+    )
 
 
 def random_tokens(config: ModelConfig, batch: int, length: int, seed: int = 1) -> jax.Array:
@@ -186,6 +189,13 @@ def test_rope_local_window_blocks_distant_tokens():
     _, model = built("rope_local", n_layers=1, local_window=3)
     grad = position_gradient(model, None, position=9)
     assert np.all(grad[:6] == 0.0) and np.all(grad[6:10] > 0.0) and np.all(grad[10:] == 0.0)
+
+
+@pytest.mark.parametrize("encoding", ["bam_ssmax", "rope_local", "alibi_ssmax"])
+def test_blockwise_attention_gives_the_same_model(encoding):
+    _, model = built(encoding, local_window=5)
+    blockwise = reconfigure(model, attention_impl="blockwise", block_q=4, block_k=8)
+    np.testing.assert_allclose(run(blockwise), run(model), atol=2e-5)
 
 
 def test_padding_is_never_attended():
