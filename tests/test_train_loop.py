@@ -3,6 +3,10 @@
 import dataclasses
 import json
 import os
+import pathlib
+import signal
+import threading
+import time
 
 import jax
 import numpy as np
@@ -144,3 +148,24 @@ def test_dry_run_reports_params_and_memory(corpus):
     report = dry_run(build(small_config(corpus)))
     assert report["params"] > 10_000
     assert report["per_device_bytes"]["total"] > 0
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, corpus):
+    workdir = str(tmp_path)
+
+    def send_sigterm_after_two_steps():
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            path = pathlib.Path(workdir, "metrics.jsonl")
+            if path.exists() and len(path.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=send_sigterm_after_two_steps)
+    sender.start()
+    result = train(small_config(corpus), workdir)
+    sender.join()
+    assert result.preempted and 2 <= result.step < STEPS
+    assert read_config(workdir)[1] == result.step
+    assert losses(workdir)[-1][0] == result.step
