@@ -172,10 +172,12 @@ def _toeplitz(vec_HxL: jax.Array, rows: int, cols: int) -> jax.Array:
     """out[h, i, j] = vec[h, j - i + rows - 1], by a strided reshape (no gather).
 
     Broadcasting the (padded) vector to `rows` copies of period P and reading the
-    flat result with row stride P - 1 shifts each row one step to the right.
+    flat result with row stride P - 1 shifts each row one step to the right. P is a
+    power of two so that the fused index arithmetic is shifts and masks (with P =
+    rows + cols - 1 the integer division makes the prior cost 2.5x the attention).
     """
     heads, length = vec_HxL.shape
-    period = max(length, cols + 1)
+    period = 1 << (max(length, cols + 1) - 1).bit_length()
     vec_HxP = jnp.pad(vec_HxL, ((0, 0), (0, period - length)))
     flat = jnp.broadcast_to(vec_HxP[:, None, :], (heads, rows, period)).reshape(heads, -1)
     flat = flat[:, rows - 1 : rows - 1 + rows * (period - 1)]
