@@ -11,7 +11,9 @@ Two jitted steps exist per (batch, chunk, capacity) shape:
   or the per-position next-token loss ([B, C]), never [T, vocab].
 
 Memory is the cache (linear in length) plus one chunk's activations; with blockwise
-attention no array grows with length squared.
+attention no array grows with length squared. Blockwise attention also skips unfilled cache
+slots, so a sweep may share one capacity (`min_capacity`) across all its lengths and
+compile its steps once.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ChunkedScorer:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = chunk_size
         self.init_cache = init_cache
+        self.min_capacity = 0
         self.stats = ChunkStats()
         graphdef, self.state = nnx.split(model)
 
@@ -84,12 +87,16 @@ class ChunkedScorer:
         self._gather = jax.jit(gather, donate_argnums=1)
         self._loss = jax.jit(next_token_loss, donate_argnums=1)
 
+    def capacity_for(self, n_tokens: int) -> int:
+        """Cache slots used for a sequence of ``n_tokens``."""
+        return max(capacity_bucket(n_tokens, self.chunk_size), self.min_capacity)
+
     def _chunks(self, tokens_BxT: np.ndarray) -> tuple[np.ndarray, Any]:
         tokens_BxT = np.asarray(tokens_BxT, np.int32)
         if tokens_BxT.ndim != 2 or tokens_BxT.shape[1] < 1:
             raise ValueError(f"tokens_BxT must be [batch, length >= 1], got {tokens_BxT.shape}")
         batch, length = tokens_BxT.shape
-        capacity = capacity_bucket(length, self.chunk_size)
+        capacity = self.capacity_for(length)
         n_chunks = math.ceil(length / self.chunk_size)
         padded = np.zeros((batch, n_chunks * self.chunk_size), np.int32)
         padded[:, :length] = tokens_BxT
@@ -137,8 +144,8 @@ class ChunkedScorer:
         return np.concatenate(losses, axis=1)[:, : tokens_BxT.shape[1] - 1]
 
     def compiled_temp_bytes(self, batch: int, n_tokens: int) -> int:
-        """Scratch memory XLA plans for one advance step at this length's capacity bucket."""
-        capacity = capacity_bucket(n_tokens, self.chunk_size)
+        """Scratch memory XLA plans for one advance step at this length's capacity."""
+        capacity = self.capacity_for(n_tokens)
         cache = jax.eval_shape(lambda: self.init_cache(batch, capacity))
         tokens = jax.ShapeDtypeStruct((batch, self.chunk_size), jnp.int32)
         compiled = self._advance.lower(self.state, cache, tokens).compile()

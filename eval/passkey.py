@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from bam_jax.passkey import (
+    PREDICTED_DIGITS,
     SAMPLINGS,
     PasskeySample,
     TextEncoder,
@@ -75,11 +76,19 @@ def stack_samples(samples: Sequence[PasskeySample]) -> tuple[np.ndarray, np.ndar
 
 
 def score_samples(
-    scorer: ChunkedScorer, samples: Sequence[PasskeySample]
+    scorer: ChunkedScorer, samples: Sequence[PasskeySample], batch_size: int | None = None
 ) -> tuple[list[bool], np.ndarray]:
-    """Greedy teacher-forced predictions of each key's last digits; correct = all match."""
+    """Greedy teacher-forced predictions of each key's last digits; correct = all match.
+
+    With ``batch_size`` larger than the batch, rows are repeated up to that size.
+    """
     tokens_BxT, positions_BxK = stack_samples(samples)
-    logits_BxKxV = scorer.logits_at(tokens_BxT, positions_BxK)
+    if batch_size is not None and len(samples) < batch_size:
+        # Repeat the last row so every batch of a sweep has one shape (one compile).
+        fill = batch_size - len(samples)
+        tokens_BxT = np.concatenate([tokens_BxT, np.repeat(tokens_BxT[-1:], fill, 0)])
+        positions_BxK = np.concatenate([positions_BxK, np.repeat(positions_BxK[-1:], fill, 0)])
+    logits_BxKxV = scorer.logits_at(tokens_BxT, positions_BxK)[: len(samples)]
     predicted_BxK = logits_BxKxV.argmax(-1)
     answers_BxK = np.stack([s.answer_tokens for s in samples])
     correct = [bool(c) for c in (predicted_BxK == answers_BxK).all(-1)]
@@ -89,9 +98,16 @@ def score_samples(
 def auto_batch_size(
     n_samples: int, cache_bytes_per_slot: int, capacity: int, memory_budget_bytes: int
 ) -> int:
-    """Samples per batch: as many as fit the budget (cache dominates), at least one."""
+    """Samples per batch: as many as fit the budget (cache dominates), at least one, split
+    evenly so the last batch is not much smaller (it is padded to the same shape)."""
     per_row = max(1, cache_bytes_per_slot * capacity)
-    return int(max(1, min(n_samples, memory_budget_bytes // per_row)))
+    largest = int(max(1, min(n_samples, memory_budget_bytes // per_row)))
+    n_batches = -(-n_samples // largest)
+    return -(-n_samples // n_batches)
+
+
+def key_token_count(tokenizer: TextEncoder, prefix_digits: int) -> int:
+    return len(tokenizer.encode(" " + "9" * (PREDICTED_DIGITS + prefix_digits)))
 
 
 def _length_entry(
@@ -131,6 +147,7 @@ def evaluate_passkey(
     batch_size: int | None = None,
     cache_bytes_per_slot: int = 0,
     memory_budget_bytes: int = 4 << 30,
+    shared_capacity_bytes: int = 512 << 20,
     train_length: int | None = None,
     progress: bool = True,
     label: str = "",
@@ -139,23 +156,38 @@ def evaluate_passkey(
 
     Stops after ``patience`` consecutive lengths at 0% (stored ones count too).
     ``batch_size`` None picks the largest batch whose cache fits ``memory_budget_bytes``.
+    When one sample's cache for the longest length fits ``shared_capacity_bytes``, every
+    length uses that capacity and one batch size, so the steps compile once per sweep.
     """
     template = passkey_template(tokenizer, prefix_digits=settings.prefix_digits)
     lengths = sorted(set(int(n) for n in lengths))
     for n in lengths:
         template.n_filler(n)  # a length below the prompt's minimum fails before any work
     todo = [n for n in lengths if store.get(settings.as_dict(), str(n)) is None]
+    if todo:
+        longest = template.prompt_length(todo[-1]) + key_token_count(
+            tokenizer, settings.prefix_digits
+        )
+        capacity = capacity_bucket(longest, scorer.chunk_size)
+        if cache_bytes_per_slot * capacity <= shared_capacity_bytes:
+            scorer.min_capacity = capacity
+            if batch_size is None:
+                batch_size = auto_batch_size(
+                    settings.n_samples, cache_bytes_per_slot, capacity, memory_budget_bytes
+                )
     bar = tqdm(
         total=len(todo) * settings.n_samples,
         disable=not progress or not todo,
         desc=f"passkey {label}".strip(),
         unit="sample",
     )
-    results, zero_streak = [], 0
-    for n in lengths:
-        entry = store.get(settings.as_dict(), str(n))
-        if entry is None:
-            entry = _run_length(
+    try:
+        return _sweep(
+            lengths,
+            settings,
+            store,
+            patience,
+            lambda n: _run_length(
                 scorer,
                 tokenizer,
                 n,
@@ -165,13 +197,31 @@ def evaluate_passkey(
                 memory_budget_bytes,
                 train_length,
                 bar,
-            )
+            ),
+        )
+    finally:
+        bar.close()
+        scorer.min_capacity = 0
+
+
+def _sweep(
+    lengths: list[int],
+    settings: PasskeySettings,
+    store: ResultStore,
+    patience: int | None,
+    run_length: Callable[[int], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Stored entries where present, new ones otherwise; early stop on zero streaks."""
+    results, zero_streak = [], 0
+    for n in lengths:
+        entry = store.get(settings.as_dict(), str(n))
+        if entry is None:
+            entry = run_length(n)
             store.put(settings.as_dict(), str(n), entry)
         results.append(entry)
         zero_streak = zero_streak + 1 if entry["accuracy"] == 0.0 else 0
         if patience is not None and zero_streak >= patience:
             break
-    bar.close()
     return results
 
 
@@ -188,7 +238,7 @@ def _run_length(
 ) -> dict[str, Any]:
     samples = samples_for_length(tokenizer, target_length, settings)
     if batch_size is None:
-        capacity = capacity_bucket(len(samples[0].tokens), scorer.chunk_size)
+        capacity = scorer.capacity_for(len(samples[0].tokens))
         batch_size = auto_batch_size(
             len(samples), cache_bytes_per_slot, capacity, memory_budget_bytes
         )
@@ -197,7 +247,7 @@ def _run_length(
     start = time.perf_counter()
     for i in range(0, len(samples), batch_size):
         batch = samples[i : i + batch_size]
-        batch_correct, batch_predicted = score_samples(scorer, batch)
+        batch_correct, batch_predicted = score_samples(scorer, batch, batch_size)
         correct += batch_correct
         predicted.append(batch_predicted)
         bar.update(len(batch))

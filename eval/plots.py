@@ -65,6 +65,7 @@ def depth_heatmap(
     entries: Sequence[Mapping[str, Any]], path: str, *, title: str, bins: int = 10
 ) -> str:
     """Accuracy per (length, needle depth bin): rows are depths (0 = start), columns lengths."""
+    bins = max(1, min(bins, max(len(e["depths"]) for e in entries)))
     grid = np.full((bins, len(entries)), np.nan)
     for col, e in enumerate(entries):
         sums, counts = np.zeros(bins), np.zeros(bins)
@@ -121,7 +122,7 @@ def prior_figure(
     cols = max(1, min(3, len(layers)))
     rows = int(np.ceil(len(layers) / cols))
     table_height = 0.22 * (len(table) + 1)
-    fig = plt.figure(figsize=(4.5 * cols, 3.2 * rows + table_height))
+    fig = plt.figure(figsize=(max(8.0, 4.5 * cols), 3.2 * rows + table_height))
     grid = fig.add_gridspec(rows + 1, cols, height_ratios=[3.2] * rows + [table_height])
     for i, layer in enumerate(layers):
         ax = fig.add_subplot(grid[i // cols, i % cols])
@@ -136,6 +137,8 @@ def prior_figure(
         if train_length:
             ax.axvline(train_length, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_ylim(top=0.0)  # a GGD or ALiBi bias is never positive
         ax.set_xlabel("distance |i - j|")
         ax.set_ylabel("log-prior bias")
         ax.set_title(f"layer {layer}", fontsize=9)
@@ -156,6 +159,7 @@ def _table_axes(ax: plt.Axes, table: Sequence[Mapping[str, Any]]) -> None:
     drawn = ax.table(cellText=cells, colLabels=columns, loc="upper center", cellLoc="center")
     drawn.auto_set_font_size(False)
     drawn.set_fontsize(7)
+    drawn.auto_set_column_width(list(range(len(columns))))
 
 
 def format_cell(value: Any) -> str:

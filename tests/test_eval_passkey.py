@@ -118,9 +118,7 @@ def test_sweep_reuses_stored_lengths(tmp_path) -> None:
     settings = PasskeySettings(n_samples=3, tokenizer="byte")
     store = ResultStore(str(tmp_path / "passkey.json"), {"name": "const"})
     scorer = ChunkedScorer(ConstantModel(), stub_cache, chunk_size=128)
-    first = evaluate_passkey(
-        scorer, TOKENIZER, [600, 1200], settings, store, batch_size=2, progress=False
-    )
+    first = evaluate_passkey(scorer, TOKENIZER, [600, 1200], settings, store, progress=False)
     assert [r["accuracy"] for r in first] == [0.0, 0.0]
     assert scorer.stats.sequences == 6
     # A second run (fresh store object on the same file) computes nothing it already has.
@@ -129,6 +127,8 @@ def test_sweep_reuses_stored_lengths(tmp_path) -> None:
     assert scorer.stats.sequences == 9
     assert [r["target_length"] for r in again] == [600, 1200, 1800]
     assert again[:2] == first
+    # One shared cache capacity and batch shape per sweep: each step compiled once per run.
+    assert scorer._advance._cache_size() <= 2 and scorer._gather._cache_size() <= 2
     entry = again[2]
     assert len(entry["correct"]) == 3 and len(entry["depths"]) == 3
     n_filler = entry["n_filler"]

@@ -1,0 +1,163 @@
+"""Passkey evaluation speed and memory: seconds per sample and peak memory by prompt length.
+
+    python bench/eval_bench.py                       # tiny, l6 at 1k..64k; anchor at 4k..16k
+    python bench/eval_bench.py --models anchor --lengths 4k,8k,16k
+
+Each (model, length) runs in a fresh process, so its peak resident memory (ru_maxrss:
+JAX runtime, weights, KV cache, scratch) is its own. Random weights (speed does not depend
+on them), the Mistral tokenizer and the paper's prompt; one untimed sample compiles the
+steps, then `--repeats` samples are timed. A length whose time, extrapolated
+quadratically from the previous one, exceeds `--max-seconds` is skipped and marked so.
+
+"anchor" is the long-context inference configuration of ANCHORS.md (bam_ssmax, dim 256,
+4 layers, 8 heads, vocabulary 32768, chunk 512), where the reference PyTorch code takes
+4.8 s at 4k, 17.7 s at 8k and 61 s at 16k with 4.4 GB peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+MODELS = {
+    "tiny": {"preset": "tiny"},
+    "l6": {"preset": "l6"},
+    "anchor": {"preset": "tiny", "dim": 256, "n_layers": 4, "n_heads": 8},
+}
+DEFAULT_LENGTHS = {"tiny": "1k,8k,32k,64k", "l6": "1k,8k,32k,64k", "anchor": "4k,8k,16k"}
+REFERENCE_SECONDS = {4096: 4.8, 8192: 17.7, 16384: 61.0}
+
+
+def measure(model_name: str, length: int, chunk: int, block_k: int, repeats: int) -> dict:
+    """Runs in the child process: compile once, then time `repeats` samples."""
+    import numpy as np
+
+    from bam_jax.config import ModelConfig
+    from bam_jax.tokenizers import get_tokenizer
+    from eval.models import (
+        cache_bytes_per_slot,
+        for_inference,
+        make_scorer,
+        random_model,
+    )
+    from eval.passkey import PasskeySettings, samples_for_length, score_samples
+
+    spec = dict(MODELS[model_name])
+    config = ModelConfig.preset(spec.pop("preset"), encoding="bam_ssmax", **spec)
+    model = for_inference(random_model(config), block_q=chunk, block_k=block_k)
+    scorer = make_scorer(model, chunk_size=chunk)
+    tokenizer = get_tokenizer("mistral")
+    samples = samples_for_length(
+        tokenizer, length, PasskeySettings(n_samples=repeats + 1, sampling="random")
+    )
+    start = time.perf_counter()
+    score_samples(scorer, samples[:1])
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    for s in samples[1:]:
+        score_samples(scorer, [s])
+    seconds = (time.perf_counter() - start) / repeats
+    prompt_tokens = len(samples[0].tokens)
+    return {
+        "model": model_name,
+        "length": length,
+        "tokens": prompt_tokens,
+        "seconds": seconds,
+        "first_call_seconds": first,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "cache_bytes": cache_bytes_per_slot(config) * prompt_tokens,
+        "scratch_bytes": scorer.compiled_temp_bytes(1, prompt_tokens),
+        "params": int(sum(np.prod(x.shape) for x in _leaves(model))),
+    }
+
+
+def _leaves(model):
+    import jax
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(model))
+
+
+def _parse_lengths(text: str) -> list[int]:
+    from eval.cli import parse_count
+
+    return [parse_count(t) for t in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,l6,anchor")
+    parser.add_argument("--lengths", default=None, help="default: per model, see DEFAULT_LENGTHS")
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--block-k", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        model_name, length = args.child.split(":")
+        row = measure(model_name, int(length), args.chunk, args.block_k, args.repeats)
+        print("RESULT " + json.dumps(row))
+        return
+
+    rows = []
+    print(
+        f"{'model':>7} {'length':>7} {'tokens':>7} {'s/sample':>9} {'compile+1st':>11} "
+        f"{'peak RSS':>9} {'KV cache':>9} {'scratch':>9}  reference (s)"
+    )
+    for model_name in args.models.split(","):
+        previous = None
+        for length in _parse_lengths(args.lengths or DEFAULT_LENGTHS[model_name]):
+            if previous and previous["seconds"] * (length / previous["length"]) ** 2 > (
+                args.max_seconds
+            ):
+                print(f"{model_name:>7} {length:>7}  skipped: over --max-seconds by extrapolation")
+                continue
+            row = _run_child(model_name, length, args)
+            rows.append(row)
+            previous = row
+            ref = REFERENCE_SECONDS.get(length) if model_name == "anchor" else None
+            print(
+                f"{model_name:>7} {length:>7} {row['tokens']:>7} {row['seconds']:>9.2f} "
+                f"{row['first_call_seconds']:>11.2f} {_mib(row['peak_rss_bytes']):>9} "
+                f"{_mib(row['cache_bytes']):>9} {_mib(row['scratch_bytes']):>9}  "
+                + (f"{ref} ({ref / row['seconds']:.1f}x)" if ref else ""),
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _run_child(model_name: str, length: int, args: argparse.Namespace) -> dict:
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        f"{model_name}:{length}",
+        "--chunk",
+        str(args.chunk),
+        "--block-k",
+        str(args.block_k),
+        "--repeats",
+        str(args.repeats),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"benchmark child failed:\n{done.stderr[-3000:]}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+if __name__ == "__main__":
+    main()
