@@ -8,6 +8,9 @@ JAX runtime, weights, KV cache, scratch) is its own. Random weights (speed does 
 on them), the Mistral tokenizer and the paper's prompt; one untimed sample compiles the
 steps, then `--repeats` samples are timed. A length whose time, extrapolated
 quadratically from the previous one, exceeds `--max-seconds` is skipped and marked so.
+Columns: wall seconds per sample, CPU seconds per sample (all threads; steadier than
+wall time on a shared machine), the first call (compile + one sample), peak RSS, the
+KV cache and the compiled scratch of one prefill step, and the 1-minute load average.
 
 "anchor" is the long-context inference configuration of ANCHORS.md (bam_ssmax, dim 256,
 4 layers, 8 heads, vocabulary 32768, chunk 512), where the reference PyTorch code takes
@@ -29,7 +32,11 @@ MODELS = {
     "l6": {"preset": "l6"},
     "anchor": {"preset": "tiny", "dim": 256, "n_layers": 4, "n_heads": 8},
 }
-DEFAULT_LENGTHS = {"tiny": "1k,8k,32k,64k", "l6": "1k,8k,32k,64k", "anchor": "4k,8k,16k"}
+DEFAULT_LENGTHS = {
+    "tiny": "1024,8192,32768,65536",
+    "l6": "1024,8192,32768,65536",
+    "anchor": "4096,8192,16384",
+}
 REFERENCE_SECONDS = {4096: 4.8, 8192: 17.7, 16384: 61.0}
 
 
@@ -58,16 +65,19 @@ def measure(model_name: str, length: int, chunk: int, block_k: int, repeats: int
     start = time.perf_counter()
     score_samples(scorer, samples[:1])
     first = time.perf_counter() - start
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for s in samples[1:]:
         score_samples(scorer, [s])
     seconds = (time.perf_counter() - start) / repeats
+    cpu_seconds = (time.process_time() - cpu_start) / repeats
     prompt_tokens = len(samples[0].tokens)
     return {
         "model": model_name,
         "length": length,
         "tokens": prompt_tokens,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "load_average": os.getloadavg()[0],
         "first_call_seconds": first,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "cache_bytes": cache_bytes_per_slot(config) * prompt_tokens,
@@ -108,8 +118,9 @@ def main() -> None:
 
     rows = []
     print(
-        f"{'model':>7} {'length':>7} {'tokens':>7} {'s/sample':>9} {'compile+1st':>11} "
-        f"{'peak RSS':>9} {'KV cache':>9} {'scratch':>9}  reference (s)"
+        f"{'model':>7} {'length':>7} {'tokens':>7} {'s/sample':>9} {'cpu s':>7} "
+        f"{'1st call':>8} {'peak RSS':>9} {'KV cache':>9} {'scratch':>9} {'load':>5}  "
+        "reference s (speed-up)"
     )
     for model_name in args.models.split(","):
         previous = None
@@ -125,8 +136,9 @@ def main() -> None:
             ref = REFERENCE_SECONDS.get(length) if model_name == "anchor" else None
             print(
                 f"{model_name:>7} {length:>7} {row['tokens']:>7} {row['seconds']:>9.2f} "
-                f"{row['first_call_seconds']:>11.2f} {_mib(row['peak_rss_bytes']):>9} "
-                f"{_mib(row['cache_bytes']):>9} {_mib(row['scratch_bytes']):>9}  "
+                f"{row['cpu_seconds']:>7.2f} {row['first_call_seconds']:>8.1f} "
+                f"{_mib(row['peak_rss_bytes']):>9} {_mib(row['cache_bytes']):>9} "
+                f"{_mib(row['scratch_bytes']):>9} {row['load_average']:>5.1f}  "
                 + (f"{ref} ({ref / row['seconds']:.1f}x)" if ref else ""),
                 flush=True,
             )
