@@ -71,9 +71,9 @@ def _forward_chunk(
     num_valid: jax.Array,
 ) -> tuple[jax.Array, KVCache]:
     model = nnx.merge(graphdef, state)
-    logits_BxCxV, cache = model(tokens_BxC, cache=cache, num_valid=num_valid)
-    last_BxV = jax.lax.dynamic_index_in_dim(logits_BxCxV, num_valid - 1, axis=1, keepdims=False)
-    return last_BxV, cache
+    hidden_BxCxD, cache = model.hidden_states(tokens_BxC, cache=cache, num_valid=num_valid)
+    last_BxD = jax.lax.dynamic_index_in_dim(hidden_BxCxD, num_valid - 1, axis=1, keepdims=False)
+    return model.logits(last_BxD), cache
 
 
 def _check_room(cache: KVCache, needed: int) -> None:

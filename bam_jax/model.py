@@ -270,7 +270,8 @@ class Transformer(nnx.Module):
     document ids (any non-negative int); a negative id marks padding.
     model(tokens_BxC, cache=cache, num_valid=None) -> (logits [B, C, V], new cache): the
     chunk is written at cache.length; only its first `num_valid` tokens (default all)
-    count towards the new length.
+    count towards the new length. `hidden_states` and `logits` split the forward pass
+    before the output projection.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None):
@@ -303,6 +304,26 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         num_valid: int | jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
+        hidden = self.hidden_states(tokens_BxT, segment_ids_BxT, cache=cache, num_valid=num_valid)
+        if cache is None:
+            return self.logits(hidden)
+        hidden_BxTxD, new_cache = hidden
+        return self.logits(hidden_BxTxD), new_cache
+
+    def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
+        """float32 logits from final hidden states (any leading shape)."""
+        return self.output(hidden_BxTxD).astype(jnp.float32)
+
+    def hidden_states(
+        self,
+        tokens_BxT: jax.Array,
+        segment_ids_BxT: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        num_valid: int | jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """The final-normed hidden states [B, T, D] (and the new cache): the forward pass
+        without the output projection, for callers that need logits at a few positions."""
         cfg = self.config
         if tokens_BxT.ndim != 2:
             raise ValueError(f"tokens_BxT must be [batch, length], got shape {tokens_BxT.shape}")
@@ -332,13 +353,11 @@ class Transformer(nnx.Module):
             h_BxTxD, kv = self._scan_layers(h_BxTxD, segment_ids_BxT, prior, cache)
         else:
             h_BxTxD, kv = self._unrolled_layers(h_BxTxD, segment_ids_BxT, prior, cache)
-
-        logits_BxTxV = self.output(self.norm(h_BxTxD)).astype(jnp.float32)
+        h_BxTxD = self.norm(h_BxTxD)
         if cache is None:
-            return logits_BxTxV
+            return h_BxTxD
         added = length if num_valid is None else num_valid
-        new_cache = KVCache(keys=kv[0], values=kv[1], length=cache.length + added)
-        return logits_BxTxV, new_cache
+        return h_BxTxD, KVCache(keys=kv[0], values=kv[1], length=cache.length + added)
 
     def _block_fn(self) -> Callable:
         return nnx.remat(_apply_block) if self.config.remat else _apply_block
