@@ -349,6 +349,7 @@ def test_values_full_grid(case: Case, backend: str) -> None:
         Case(q_len=64, prior=None, ssmax=True, head_dim=64),
         Case(q_len=50, window=17, ssmax=True, documents=True),
         Case(q_len=1, offset=40, ssmax=True),
+        Case(q_len=40, causal=False, window=9, documents=True, ssmax=True, block_q=32, block_k=16),
     ],
     ids=str,
 )
