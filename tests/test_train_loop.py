@@ -164,8 +164,9 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, corpus):
 
     sender = threading.Thread(target=send_sigterm_after_two_steps)
     sender.start()
-    result = train(small_config(corpus), workdir)
+    result = train(small_config(corpus, profile_start=1, profile_steps=1), workdir)
     sender.join()
     assert result.preempted and 2 <= result.step < STEPS
     assert read_config(workdir)[1] == result.step
     assert losses(workdir)[-1][0] == result.step
+    assert any(files for _, _, files in os.walk(os.path.join(workdir, "profile")))

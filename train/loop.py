@@ -244,11 +244,9 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
     latest checkpoint in `workdir` if there is one."""
     setup = build(cfg)
     os.makedirs(workdir, exist_ok=True)
-    config_dict = cfg.to_dict()
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(config_dict, f, indent=2)
-
+            json.dump(cfg.to_dict(), f, indent=2)
     layout = setup.layout()
     data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, layout)
     checkpointer = Checkpointer(workdir, cfg)
@@ -258,113 +256,135 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
     else:
         state, data_state = checkpointer.restore(start, setup.abstract_sharded_state())
         data.set_state(data_state)
-    val = (
-        val_batches(cfg.data, cfg.seq_len, cfg.seed, layout, cfg.eval_batches)
-        if cfg.eval_every
-        else []
-    )
+    val = []
+    if cfg.eval_every:
+        val = val_batches(cfg.data, cfg.seq_len, cfg.seed, layout, cfg.eval_batches)
     writer = MetricsWriter(
         workdir, total_steps=cfg.steps, start_step=start, progress_bar=cfg.progress_bar
     )
     if start:
         writer.print(f"resumed from step {start} in {workdir}")
+    run = _Run(setup, workdir, data, val, checkpointer, writer)
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     try:
         with _Preemption() as preemption:
-            return _run(
-                setup,
-                state,
-                start,
-                data,
-                val,
-                checkpointer,
-                writer,
-                workdir,
-                config_dict,
-                preemption,
-                stop_after,
-            )
+            return run.loop(state, start, end, preemption)
     finally:
         checkpointer.close()
         writer.close()
 
 
-def _run(
-    setup,
-    state,
-    start,
-    data,
-    val,
-    checkpointer,
-    writer,
-    workdir,
-    config_dict,
-    preemption,
-    stop_after,
-) -> TrainResult:
-    cfg = setup.cfg
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    tokens_per_step = cfg.accum_steps * cfg.batch_size * cfg.seq_len
-    n_params = count_params(setup.abstract_state.params)
-    peak = device_peak_flops(jax.devices()[0])
-    flops_per_step = train_flops_per_token(cfg.model, n_params) * tokens_per_step
-    profiling = False
-    window_start, window_steps = time.perf_counter(), 0
-    step, loss = start, None
-    while step < end:
-        if step == cfg.profile_start:
-            jax.profiler.start_trace(os.path.join(workdir, "profile"))
-            profiling = True
-        batch = setup.global_batch(next(data))
-        state, metrics = setup.train_step(state, batch)
-        step += 1
-        window_steps += 1
+@dataclasses.dataclass
+class _Run:
+    """The loop of one `train` call and the bookkeeping around each step."""
+
+    setup: Setup
+    workdir: str
+    data: Any
+    val: list[Batch]
+    checkpointer: Checkpointer
+    writer: MetricsWriter
+
+    def loop(self, state: TrainState, step: int, end: int, preemption: _Preemption):
+        cfg = self.setup.cfg
+        profiler = _ProfilerWindow(cfg.profile_start, cfg.profile_steps, self.workdir)
+        self._window_start, self._window_steps = time.perf_counter(), 0
+        loss = None
+        try:
+            while step < end:
+                profiler.before(step)
+                batch = self.setup.global_batch(next(self.data))
+                state, metrics = self.setup.train_step(state, batch)
+                step += 1
+                profiler.after(step)
+                loss = self._after_step(step, end, state, metrics)
+                if preemption.requested:
+                    self._save(step, state, force=True)
+                    self.checkpointer.wait()
+                    self.writer.print(f"SIGTERM: saved step {step} to {self.workdir}, exiting")
+                    return TrainResult(step, state, loss, preempted=True)
+        finally:
+            profiler.close()
+        if self.checkpointer.latest_step() != step:
+            self._save(step, state, force=True)
+        self.checkpointer.wait()
+        return TrainResult(step, state, loss)
+
+    def _after_step(self, step: int, end: int, state: TrainState, metrics: dict) -> float:
+        """Check, log, validate and checkpoint after a step; returns the loss."""
+        cfg = self.setup.cfg
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-        if profiling and step >= cfg.profile_start + cfg.profile_steps:
-            jax.profiler.stop_trace()
-            profiling = False
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            checkpointer.wait()
-            raise NonFiniteLossError(
-                f"loss {loss}, grad norm {grad_norm} at step {step}: training stopped; the "
-                f"last good checkpoint is step {checkpointer.latest_step()} in {workdir}"
-            )
-        if step % cfg.log_every == 0 or step == end:
-            elapsed = time.perf_counter() - window_start
-            record = {
-                "loss": loss,
-                "grad_norm": grad_norm,
-                **learning_rates(cfg.optim, cfg.steps, step - 1),
-                "tokens_per_s": window_steps * tokens_per_step / elapsed,
-                "step_time_s": elapsed / window_steps,
-                "trained_tokens": float(metrics["trained_tokens"]),
-            }
-            if peak is not None:
-                record["mfu"] = (
-                    flops_per_step * window_steps / elapsed / (peak * jax.device_count())
-                )
-            writer.write(step, record)
-            window_start, window_steps = time.perf_counter(), 0
-        if val and step % cfg.eval_every == 0:
-            writer.write(step, {"val_loss": _validate(setup, state, val)})
-        writer.advance()
+        self._check_finite(step, loss, grad_norm)
+        self._log(step, end, loss, grad_norm, metrics)
+        if self.val and step % cfg.eval_every == 0:
+            self.writer.write(step, {"val_loss": self._validate(state)})
+        self.writer.advance()
         if step % cfg.checkpoint_every == 0:
-            checkpointer.save(step, state, data.get_state(), config_dict)
-        if preemption.requested:
-            checkpointer.save(step, state, data.get_state(), config_dict, force=True)
-            checkpointer.wait()
-            writer.print(f"SIGTERM: saved step {step} to {workdir}, exiting")
-            return TrainResult(step, state, loss, preempted=True)
-    if profiling:
-        jax.profiler.stop_trace()
-    if checkpointer.latest_step() != step:
-        checkpointer.save(step, state, data.get_state(), config_dict, force=True)
-    checkpointer.wait()
-    return TrainResult(step, state, loss)
+            self._save(step, state)
+        return loss
+
+    def _save(self, step: int, state: TrainState, force: bool = False) -> None:
+        config = self.setup.cfg.to_dict()
+        self.checkpointer.save(step, state, self.data.get_state(), config, force=force)
+
+    def _check_finite(self, step: int, loss: float, grad_norm: float) -> None:
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        self.checkpointer.wait()
+        raise NonFiniteLossError(
+            f"loss {loss}, grad norm {grad_norm} at step {step}: training stopped; the "
+            f"last good checkpoint is step {self.checkpointer.latest_step()} in {self.workdir}"
+        )
+
+    def _log(self, step: int, end: int, loss: float, grad_norm: float, metrics: dict) -> None:
+        cfg = self.setup.cfg
+        self._window_steps += 1
+        if step % cfg.log_every and step != end:
+            return
+        elapsed = time.perf_counter() - self._window_start
+        tokens_per_step = cfg.accum_steps * cfg.batch_size * cfg.seq_len
+        record = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            **learning_rates(cfg.optim, cfg.steps, step - 1),
+            "tokens_per_s": self._window_steps * tokens_per_step / elapsed,
+            "step_time_s": elapsed / self._window_steps,
+            "trained_tokens": float(metrics["trained_tokens"]),
+        }
+        peak = device_peak_flops(jax.devices()[0])
+        if peak is not None:
+            n_params = count_params(self.setup.abstract_state.params)
+            flops = train_flops_per_token(cfg.model, n_params) * tokens_per_step
+            record["mfu"] = flops * self._window_steps / elapsed / (peak * jax.device_count())
+        self.writer.write(step, record)
+        self._window_start, self._window_steps = time.perf_counter(), 0
+
+    def _validate(self, state: TrainState) -> float:
+        loss_sum, count = 0.0, 0.0
+        for local in self.val:
+            batch = self.setup.global_batch(local)
+            part, n = self.setup.eval_step(state.params, state.consts, batch)
+            loss_sum, count = loss_sum + float(part), count + float(n)
+        return loss_sum / max(count, 1.0)
 
 
-def _validate(setup: Setup, state: TrainState, val: list[Batch]) -> float:
-    loss_sum, count = 0.0, 0.0
-    for local in val:
-        part, n = setup.eval_step(state.params, state.consts, setup.global_batch(local))
-        loss_sum, count = loss_sum + float(part), count + float(n)
-    return loss_sum / max(count, 1.0)
+class _ProfilerWindow:
+    """A jax.profiler trace over steps [start, start + steps) into WORKDIR/profile."""
+
+    def __init__(self, start: int, steps: int, workdir: str):
+        self.start, self.stop, self.workdir = start, start + steps, workdir
+        self.active = False
+
+    def before(self, step: int) -> None:
+        if step == self.start and self.stop > self.start:
+            jax.profiler.start_trace(os.path.join(self.workdir, "profile"))
+            self.active = True
+
+    def after(self, step: int) -> None:
+        if self.active and step >= self.stop:
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
