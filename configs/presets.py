@@ -31,7 +31,9 @@ FSDP_SIZES = ("l15", "l18", "l24")
 
 def tiny() -> TrainConfig:
     return TrainConfig(
-        model=ModelConfig.preset("tiny", encoding="bam_ssmax", max_seq_len=128),
+        model=ModelConfig.preset(
+            "tiny", encoding="bam_ssmax", max_seq_len=128, attention_impl="reference"
+        ),
         data=DataConfig(source="passkey", tokenizer="mistral"),
         optim=OptimConfig(lr=3e-3, prior_lr=3e-3, ssmax_lr=3e-3, warmup_steps=20),
         steps=300,
@@ -45,7 +47,13 @@ def tiny() -> TrainConfig:
 
 def micro() -> TrainConfig:
     return TrainConfig(
-        model=ModelConfig.preset("micro", vocab_size=32768, max_seq_len=96, encoding="bam_ssmax"),
+        model=ModelConfig.preset(
+            "micro",
+            vocab_size=32768,
+            max_seq_len=96,
+            encoding="bam_ssmax",
+            attention_impl="reference",
+        ),
         data=DataConfig(source="passkey", tokenizer="mistral"),
         optim=OptimConfig(lr=3e-3, prior_lr=3e-3, ssmax_lr=3e-3),
         steps=20,

@@ -11,11 +11,14 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from bam_jax.model import Transformer
+from bam_jax.tokenizers import get_tokenizer
 from configs.presets import preset
 from train.checkpoint import load_model, read_config
-from train.data import DataConfig
-from train.loop import NonFiniteLossError, build, dry_run, train
+from train.data import DataConfig, PasskeyRows
+from train.loop import NonFiniteLossError, build, dry_run, loss_sums, train
 from train.metrics import read_metrics
 from train.state import ModelParts
 
@@ -170,3 +173,16 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, corpus):
     assert read_config(workdir)[1] == result.step
     assert losses(workdir)[-1][0] == result.step
     assert any(files for _, _, files in os.walk(os.path.join(workdir, "profile")))
+
+
+def test_loss_at_answer_positions_equals_the_full_logits_loss():
+    cfg = preset("micro")
+    parts, _, _ = ModelParts.from_config(cfg.model)
+    params, consts = parts.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    rows = [PasskeyRows(cfg.data, get_tokenizer("mistral"), cfg.seq_len, seed=0)[i] for i in (0, 1)]
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    full = {k: v for k, v in batch.items() if k != "loss_positions"}
+    loss = jax.jit(lambda b: loss_sums(parts, params, consts, b))
+    (sparse_sum, sparse_n), (full_sum, full_n) = loss(batch), loss(full)
+    assert float(sparse_n) == float(full_n) == 10
+    np.testing.assert_allclose(float(sparse_sum), float(full_sum), rtol=1e-6)

@@ -8,6 +8,8 @@ A row is a dict of numpy arrays of length `seq_len`:
   segment_ids      int32   document id per input token (-1 = padding, never attended)
   positions        int32   position of each input token inside its document
   loss_mask        float32 1 where the target is trained on
+  loss_positions   int32 [K]  (passkey rows trained on the answer only) the K positions whose
+                   targets are trained, so that only they need logits
 
 Sources:
   passkey  synthetic passkey-retrieval prompts (spec section 10) with varied filler, needle
@@ -150,9 +152,17 @@ class PasskeyRows:
         row["positions"][:n] = np.arange(n)
         if self.cfg.passkey_loss == "answer":
             row["loss_mask"][answer_positions - 1] = 1.0
+            row["loss_positions"] = (answer_positions - 1).astype(np.int32)
         else:
             row["loss_mask"][:n] = 1.0
         return row
+
+
+def loss_positions_per_row(cfg: DataConfig) -> int | None:
+    """K when every row carries `loss_positions` [K], else None."""
+    if cfg.source == "passkey" and cfg.passkey_loss == "answer":
+        return passkey.PREDICTED_DIGITS
+    return None
 
 
 # ----------------------------------------------------------------------------- token streams

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, validate_for_runtime
-from train.data import BatchLayout, train_iterator, val_batches
+from train.data import BatchLayout, loss_positions_per_row, train_iterator, val_batches
 from train.metrics import MetricsWriter, device_peak_flops, train_flops_per_token
 from train.optim import learning_rates, make_optimizer
 from train.sharding import batch_sharding, local_rows, make_mesh, replicated
@@ -41,14 +41,24 @@ class NonFiniteLossError(RuntimeError):
 
 def loss_sums(parts: ModelParts, params, consts, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy over trained targets of a [batch, seq_len] micro-batch, and the
-    number of trained targets."""
+    number of trained targets.
+
+    With `loss_positions` [batch, K] in the batch (rows trained on K known positions, such as
+    passkey answers) only those K positions go through the output projection.
+    """
     model = parts.merge(params, consts)
-    logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
-    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxTxV.astype(jnp.float32), batch["targets"]
-    )
-    mask_BxT = batch["loss_mask"]
-    return jnp.sum(ce_BxT * mask_BxT), jnp.sum(mask_BxT)
+    targets_BxT, mask_BxT = batch["targets"], batch["loss_mask"]
+    if "loss_positions" in batch:
+        hidden_BxTxD = model.hidden_states(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+        positions_BxK = batch["loss_positions"]
+        hidden_BxKxD = jnp.take_along_axis(hidden_BxTxD, positions_BxK[..., None], axis=1)
+        logits = model.logits(hidden_BxKxD)
+        targets_BxT = jnp.take_along_axis(targets_BxT, positions_BxK, axis=1)
+        mask_BxT = jnp.take_along_axis(mask_BxT, positions_BxK, axis=1)
+    else:
+        logits = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets_BxT)
+    return jnp.sum(ce * mask_BxT), jnp.sum(mask_BxT)
 
 
 def make_train_step(parts: ModelParts, tx: optax.GradientTransformation) -> Callable:
@@ -115,21 +125,27 @@ class Setup:
         return BatchLayout(self.cfg.accum_steps, self.cfg.batch_size, start, count)
 
     def global_batch(self, local: Batch) -> Batch:
+        accum, batch = self.global_batch_shape[:2]
         return {
             k: jax.make_array_from_process_local_data(
-                self.batch_sharding, np.asarray(v), self.global_batch_shape
+                self.batch_sharding, np.asarray(v), (accum, batch, *np.shape(v)[2:])
             )
             for k, v in local.items()
         }
 
     def abstract_batch(self) -> Batch:
-        dtypes = {"loss_mask": jnp.float32}
-        return {
-            k: jax.ShapeDtypeStruct(
-                self.global_batch_shape, dtypes.get(k, jnp.int32), sharding=self.batch_sharding
-            )
-            for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+        shape, sharding = self.global_batch_shape, self.batch_sharding
+        batch = {
+            k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+            for k in ("inputs", "targets", "segment_ids", "positions")
         }
+        batch["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+        k = loss_positions_per_row(self.cfg.data)
+        if k is not None:
+            batch["loss_positions"] = jax.ShapeDtypeStruct(
+                (*shape[:2], k), jnp.int32, sharding=sharding
+            )
+        return batch
 
     def abstract_sharded_state(self) -> TrainState:
         return jax.tree.map(
