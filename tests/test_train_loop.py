@@ -17,7 +17,7 @@ from bam_jax.model import Transformer
 from bam_jax.tokenizers import get_tokenizer
 from configs.presets import preset
 from train.checkpoint import load_model, read_config
-from train.data import DataConfig, PasskeyRows
+from train.data import DataConfig, PasskeyRows, train_iterator
 from train.loop import NonFiniteLossError, build, dry_run, loss_sums, train
 from train.metrics import read_metrics
 from train.state import ModelParts
@@ -186,3 +186,17 @@ def test_loss_at_answer_positions_equals_the_full_logits_loss():
     (sparse_sum, sparse_n), (full_sum, full_n) = loss(batch), loss(full)
     assert float(sparse_n) == float(full_n) == 10
     np.testing.assert_allclose(float(sparse_sum), float(full_sum), rtol=1e-6)
+
+
+def test_gradient_accumulation_matches_one_large_batch(corpus):
+    cfg = small_config(corpus)
+    one_pass = build(cfg.replace(batch_size=4))
+    two_passes = build(cfg.replace(batch_size=2, tokens_per_step=4 * cfg.seq_len))
+    assert two_passes.cfg.accum_steps == 2
+    batch = next(train_iterator(cfg.data, cfg.seq_len, cfg.seed, one_pass.layout()))
+    split = {k: v.reshape(2, 2, *v.shape[2:]) for k, v in batch.items()}
+    state_a, metrics_a = one_pass.train_step(one_pass.init(), one_pass.global_batch(batch))
+    state_b, metrics_b = two_passes.train_step(two_passes.init(), two_passes.global_batch(split))
+    np.testing.assert_allclose(float(metrics_a["loss"]), float(metrics_b["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state_a.params), jax.tree.leaves(state_b.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

@@ -89,9 +89,12 @@ def to_train_config(cd: ConfigDict | TrainConfig) -> TrainConfig:
 
 
 def _rewrite_config_flag(argv: list[str]) -> list[str]:
-    """`--config=NAME` or `--config=FILE.json` become the presets file with an argument."""
+    """`--config=NAME` or `--config=FILE.json` become the presets file with an argument;
+    `--dry-run` is accepted for `--dry_run`."""
     out = []
     for arg in argv:
+        if arg == "--dry-run":
+            arg = "--dry_run"
         if arg.startswith("--config="):
             value = arg.split("=", 1)[1]
             if not value.split(":", 1)[0].endswith(".py"):
