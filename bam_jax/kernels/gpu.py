@@ -1,0 +1,186 @@
+"""The GPU (Triton lowering) forward kernel.
+
+Grid (query blocks, batch, heads), longest query blocks first. Each program holds its query
+block and loops over the key blocks it can see with `lax.fori_loop`; keys and values of
+the whole sequence are addressed through one block (Triton only offsets pointers).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from bam_jax.kernels.tile_math import (
+    NUM_HEAD_PARAMS,
+    KernelConfig,
+    MathOps,
+    RowCoefficients,
+    exact_math,
+    finalize,
+    ggd_unit,
+    init_state,
+    key_block_range,
+    load_head,
+    online_update,
+    row_coefficients,
+    tile_logits_log2,
+)
+
+
+def _ptx_unary(instruction: str) -> Callable[[jax.Array], jax.Array]:
+    def apply(x: jax.Array) -> jax.Array:
+        [y] = plgpu.elementwise_inline_asm(
+            f"{instruction} $0, $1;",
+            args=[x],
+            constraints="=f,f",
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+        )
+        return y
+
+    return apply
+
+
+def _gpu_math(config: KernelConfig) -> MathOps:
+    if config.approx_math:
+        return MathOps(exp2=_ptx_unary("ex2.approx.ftz.f32"), log2=_ptx_unary("lg2.approx.ftz.f32"))
+    return exact_math()
+
+
+class _SubBlock(NamedTuple):
+    """Rows of the query block that share one online-softmax state."""
+
+    rows: pl.Slice
+    q_start: jax.Array
+    q_RxD: jax.Array
+    coefficients: RowCoefficients
+    seg_Rx1: jax.Array | None
+
+
+def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *refs):
+    """One query block against its visible key blocks.
+
+    With q_splits = m > 1 the query block is m sub-blocks of block_k rows each. The GGD
+    tile of sub-block s at key block j equals that of sub-block 0 at key block j - s, so
+    each step evaluates the prior's exp2/log2 for one sub-block only and carries the last
+    m - 1 tiles: the prior's transcendental cost drops by a factor m.
+    """
+    refs = list(refs)
+    log_n_ref = refs.pop(0) if config.ssmax else None
+    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if config.segments else (None, None)
+    out_ref, lse_ref = refs
+    math_ops = _gpu_math(config)
+    bk, splits = config.block_k, config.q_splits
+    sub_rows = config.block_q // splits
+    q_block = pl.num_programs(0) - 1 - pl.program_id(0)  # longest rows first
+    q_start = offset_ref[0] + q_block * config.block_q
+    head = load_head(lambda j: head_ref[j])
+    subs = []
+    for s in range(splits):
+        rows = pl.ds(s * sub_rows, sub_rows)
+        log_n = None if log_n_ref is None else log_n_ref[rows, :]
+        subs.append(
+            _SubBlock(
+                rows=rows,
+                q_start=q_start + s * sub_rows,
+                q_RxD=q_ref[rows, :],
+                coefficients=row_coefficients(config, head, log_n),
+                seg_Rx1=None if q_seg_ref is None else q_seg_ref[rows, :],
+            )
+        )
+    reuse = config.prior_kind == "ggd"
+
+    def unit_at(k_start):
+        return ggd_unit(math_ops, head, k_start - q_start, (sub_rows, bk))
+
+    def body(k_block, state):
+        carries, window = state
+        k_start = pl.multiple_of(k_block * bk, bk)
+        keys = pl.ds(k_start, bk)
+        k_KxD, v_KxD = k_ref[keys, :], v_ref[keys, :]
+        k_seg = None if k_seg_ref is None else k_seg_ref[:, keys]
+        units = (unit_at(k_start), *window) if reuse else (None,) * splits
+        new_carries = []
+        for sub, carry, unit in zip(subs, carries, units, strict=True):
+            logits = tile_logits_log2(
+                config,
+                math_ops,
+                sub.q_RxD,
+                k_KxD,
+                sub.q_start,
+                k_start,
+                head,
+                sub.coefficients,
+                sub.seg_Rx1,
+                k_seg,
+                unit,
+            )
+            new_carries.append(online_update(math_ops, carry, logits, v_KxD))
+        return tuple(new_carries), units[:-1] if reuse else ()
+
+    start, stop = key_block_range(config, q_start)
+    window = tuple(unit_at((start - s) * bk) for s in range(1, splits)) if reuse else ()
+    carries = tuple(init_state(sub_rows, q_ref.shape[1]) for _ in range(splits))
+    carries, _ = lax.fori_loop(start, stop, body, (carries, window))
+    for sub, carry in zip(subs, carries, strict=True):
+        out, lse = finalize(carry)
+        out_ref[sub.rows, :] = out.astype(out_ref.dtype)
+        lse_ref[sub.rows, :] = lse
+
+
+def gpu_forward(config: KernelConfig, q, k, v, head_params_HxP, log_n, q_seg, k_seg, offset):
+    batch, q_pad, num_heads, d_pad = q.shape
+    kv_pad = k.shape[1]
+    bq, groups = config.block_q, config.groups
+    num_q_blocks = q_pad // bq
+
+    def q_block(i):
+        return num_q_blocks - 1 - i
+
+    in_specs = [
+        pl.BlockSpec((1,), lambda i, b, h: (0,)),
+        pl.BlockSpec((None, NUM_HEAD_PARAMS), lambda i, b, h: (h, 0)),
+        pl.BlockSpec((None, bq, None, d_pad), lambda i, b, h: (b, q_block(i), h, 0)),
+        pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
+        pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
+    ]
+    inputs = [offset, head_params_HxP, q, k, v]
+    row_spec = pl.BlockSpec((None, bq, 1), lambda i, b, h: (b, q_block(i), 0))
+    if config.ssmax:
+        in_specs.append(row_spec)
+        inputs.append(log_n)
+    if config.segments:
+        in_specs += [row_spec, pl.BlockSpec((None, 1, kv_pad), lambda i, b, h: (b, 0, 0))]
+        inputs += [q_seg, k_seg]
+    out_specs = [
+        pl.BlockSpec((None, bq, None, d_pad), lambda i, b, h: (b, q_block(i), h, 0)),
+        pl.BlockSpec((None, None, bq, 1), lambda i, b, h: (b, h, q_block(i), 0)),
+    ]
+    num_warps = config.num_warps or (4 if d_pad <= 64 else 8)
+    return pl.pallas_call(
+        functools.partial(_kernel, config),
+        grid=(num_q_blocks, batch, num_heads),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=_out_shapes(q),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps, num_stages=config.num_stages or 2
+        ),
+        interpret=config.interpret,
+        name="bam_attention_fwd",
+    )(*inputs)
+
+
+def _out_shapes(q_BxTxHxD: jax.Array) -> list[jax.ShapeDtypeStruct]:
+    batch, q_pad, num_heads, d_pad = q_BxTxHxD.shape
+    return [
+        jax.ShapeDtypeStruct((batch, q_pad, num_heads, d_pad), q_BxTxHxD.dtype),
+        jax.ShapeDtypeStruct((batch, num_heads, q_pad, 1), jnp.float32),
+    ]

@@ -1,0 +1,234 @@
+"""What the Pallas attention kernels share: their static configuration and the tile math.
+
+Both kernels (bam_jax/kernels/gpu.py, bam_jax/kernels/tpu.py) call these functions on one
+(query block, key block) tile: logits in log2 units with the prior, SSMax and masks applied
+(`tile_logits_log2`), the online-softmax update (`online_update`) and the final
+normalisation with the log-sum-exp (`finalize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from bam_jax.priors import GGD_EPS
+
+Backend = Literal["gpu", "tpu"]
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+NUM_HEAD_PARAMS = 8  # coef, beta, mu, ssmax scale, padding
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Everything the kernels specialise on (hashable, so it can be a static argument)."""
+
+    backend: Backend
+    interpret: bool
+    approx_math: bool
+    block_q: int
+    block_k: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    groups: int
+    causal: bool
+    window: int | None
+    prior_kind: Literal["none", "ggd", "alibi"]
+    ssmax: bool
+    prior_inside: bool
+    segments: bool
+    num_warps: int | None
+    num_stages: int | None
+    q_splits: int = 1
+
+    @property
+    def padded_q_len(self) -> int:
+        return round_up(self.q_len, self.block_q)
+
+    @property
+    def padded_kv_len(self) -> int:
+        return round_up(self.kv_len, self.block_k)
+
+    @property
+    def num_k_blocks(self) -> int:
+        return self.padded_kv_len // self.block_k
+
+
+class AuxInputs(NamedTuple):
+    """Non-differentiable inputs."""
+
+    log_n_BxT: jax.Array | None
+    q_seg_BxT: jax.Array | None
+    k_seg_BxS: jax.Array | None
+    offset_1: jax.Array
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def pad_to(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+class MathOps(NamedTuple):
+    exp2: Callable[[jax.Array], jax.Array]
+    log2: Callable[[jax.Array], jax.Array]
+
+
+def exact_math() -> MathOps:
+    return MathOps(exp2=jnp.exp2, log2=jnp.log2)
+
+
+class HeadScalars(NamedTuple):
+    coef: jax.Array  # exp(theta_alpha) or the ALiBi slope
+    beta: jax.Array
+    mu: jax.Array
+    ssmax_scale: jax.Array
+
+
+class RowCoefficients(NamedTuple):
+    """Per-query multipliers of the content and prior terms, in log2 units ([Q, 1])."""
+
+    content: jax.Array
+    prior: jax.Array
+
+
+def row_coefficients(
+    config: KernelConfig, head: HeadScalars, log_n_Qx1: jax.Array | None
+) -> RowCoefficients:
+    content = jnp.float32(LOG2_E / math.sqrt(config.head_dim))
+    prior = head.coef * jnp.float32(LOG2_E)
+    if config.ssmax:
+        factor_Qx1 = head.ssmax_scale * log_n_Qx1
+        content = content * factor_Qx1
+        if config.prior_inside:
+            prior = prior * factor_Qx1
+    return RowCoefficients(content=content, prior=prior)
+
+
+def ggd_unit(
+    math_ops: MathOps, head: HeadScalars, relative_start: jax.Array, shape: tuple[int, int]
+) -> jax.Array:
+    """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [Q, K]."""
+    distance = (
+        relative_start
+        + lax.broadcasted_iota(jnp.int32, shape, 1)
+        - lax.broadcasted_iota(jnp.int32, shape, 0)
+    )
+    gap = jnp.abs(distance.astype(jnp.float32) - head.mu) + jnp.float32(GGD_EPS)
+    return math_ops.exp2(head.beta * math_ops.log2(gap))
+
+
+def tile_logits_log2(
+    config: KernelConfig,
+    math_ops: MathOps,
+    q_QxD: jax.Array,
+    k_KxD: jax.Array,
+    q_start: jax.Array,
+    k_start: jax.Array,
+    head: HeadScalars,
+    rows: RowCoefficients,
+    q_seg_Qx1: jax.Array | None,
+    k_seg_1xK: jax.Array | None,
+    ggd_unit_QxK: jax.Array | None = None,
+) -> jax.Array:
+    """Masked logits of one tile in log2 units (-inf where not visible), float32 [Q, K].
+
+    ggd_unit_QxK: the GGD tile without its per-row coefficient when the caller already has
+    it (the GPU kernel reuses it across query sub-blocks); computed here otherwise.
+    """
+    shape = (q_QxD.shape[0], k_KxD.shape[0])
+    scores = lax.dot_general(
+        q_QxD, k_KxD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    logits = scores * rows.content
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+    k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    distance = k_pos - q_pos
+    if config.prior_kind == "ggd":
+        if ggd_unit_QxK is None:
+            ggd_unit_QxK = ggd_unit(math_ops, head, k_start - q_start, shape)
+        logits = logits - ggd_unit_QxK * rows.prior
+    elif config.prior_kind == "alibi":
+        logits = logits - jnp.abs(distance).astype(jnp.float32) * rows.prior
+    visible = k_pos < config.kv_len
+    if config.causal:
+        visible = visible & (distance <= 0)
+    if config.window is not None:
+        visible = visible & (distance >= -config.window)
+        if not config.causal:
+            visible = visible & (distance <= config.window)
+    if config.segments:
+        visible = visible & (q_seg_Qx1 == k_seg_1xK) & (k_seg_1xK >= 0)
+    return jnp.where(visible, logits, -jnp.inf)
+
+
+class SoftmaxState(NamedTuple):
+    acc_QxD: jax.Array
+    max_Qx1: jax.Array
+    sum_Qx1: jax.Array
+
+
+def init_state(block_q: int, head_dim: int) -> SoftmaxState:
+    return SoftmaxState(
+        jnp.zeros((block_q, head_dim), jnp.float32),
+        jnp.full((block_q, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q, 1), jnp.float32),
+    )
+
+
+def online_update(
+    math_ops: MathOps, carry: SoftmaxState, logits_QxK: jax.Array, v_KxD
+) -> SoftmaxState:
+    new_max = jnp.maximum(carry.max_Qx1, jnp.max(logits_QxK, axis=1, keepdims=True))
+    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    correction = math_ops.exp2(carry.max_Qx1 - safe_max)
+    probs = math_ops.exp2(logits_QxK - safe_max)
+    new_sum = carry.sum_Qx1 * correction + jnp.sum(probs, axis=1, keepdims=True)
+    update = lax.dot_general(
+        probs.astype(v_KxD.dtype),
+        v_KxD,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+    return SoftmaxState(carry.acc_QxD * correction + update, new_max, new_sum)
+
+
+def finalize(carry: SoftmaxState) -> tuple[jax.Array, jax.Array]:
+    """Normalised output and natural-log log-sum-exp (+inf for rows that see no key)."""
+    seen = carry.sum_Qx1 > 0
+    out = carry.acc_QxD / jnp.where(seen, carry.sum_Qx1, 1.0)
+    lse = (carry.max_Qx1 + jnp.log2(jnp.where(seen, carry.sum_Qx1, 1.0))) * jnp.float32(LN_2)
+    return out, jnp.where(seen, lse, jnp.inf)
+
+
+def key_block_range(config: KernelConfig, q_start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[first, last) key blocks a query block starting at position q_start can see."""
+    q_last = q_start + (config.block_q - 1)
+    num_k = config.num_k_blocks
+    if config.causal:
+        stop = jnp.minimum(lax.div(q_last, config.block_k) + 1, num_k)
+    elif config.window is not None:
+        stop = jnp.minimum(lax.div(q_last + config.window, config.block_k) + 1, num_k)
+    else:
+        stop = jnp.int32(num_k)
+    start = jnp.int32(0)
+    if config.window is not None:
+        start = jnp.minimum(lax.div(jnp.maximum(q_start - config.window, 0), config.block_k), stop)
+    return start, stop
+
+
+def load_head(load: Callable[[int], jax.Array]) -> HeadScalars:
+    return HeadScalars(coef=load(0), beta=load(1), mu=load(2), ssmax_scale=load(3))
