@@ -7,6 +7,7 @@ Both run before anything is compiled, and every error names the field that is wr
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import os
 from typing import Any
@@ -207,8 +208,6 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
 
 
 def _path_exists(path: str) -> bool:
-    import glob
-
     return os.path.exists(path) or bool(glob.glob(path))
 
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from train.checkpoint import Checkpointer
@@ -230,19 +232,30 @@ class TrainResult:
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step (main thread only)."""
+    """SIGTERM as a flag the loop checks after each step.
+
+    One process: a Python signal handler (main thread only). Several processes: JAX's
+    preemption service (started by `jax.distributed.initialize`) tells every process, and
+    all of them stop at the same step.
+    """
 
     def __init__(self):
-        self.requested = False
+        self._signalled = False
         self._previous = None
+        self._multi_process = jax.process_count() > 1
 
     def __enter__(self):
-        if _in_main_thread():
+        if not self._multi_process and _in_main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self._signalled = True
+
+    def requested(self, step: int) -> bool:
+        if self._multi_process:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self._signalled
 
     def __exit__(self, *exc):
         if self._previous is not None:
@@ -250,8 +263,6 @@ class _Preemption:
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
@@ -314,7 +325,7 @@ class _Run:
                 step += 1
                 profiler.after(step)
                 loss = self._after_step(step, end, state, metrics)
-                if preemption.requested:
+                if preemption.requested(step):
                     self._save(step, state, force=True)
                     self.checkpointer.wait()
                     self.writer.print(f"SIGTERM: saved step {step} to {self.workdir}, exiting")
