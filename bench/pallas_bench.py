@@ -1,18 +1,18 @@
 """Forward throughput of the Pallas attention kernel, with and without the GGD prior.
 
 On a GPU (or TPU) this times, for every sequence length and head dim:
-  pallas+ggd    the kernel with the generalized Gaussian prior computed in-kernel
-  pallas        the same kernel without any prior
-  cudnn         jax.nn.dot_product_attention(implementation="cudnn", is_causal=True), GPU only
-(optional variants: pallas+ggd+ssmax, pallas+alibi, pallas+ggd-exact: exact exp2/log2 instead
-of the hardware approximations, pallas+ggd-noreuse: each GGD tile evaluated per query
-sub-block instead of reused). Causal forward FLOPs = 2 * 2 * B * H * T * T / 2 * D.
+  pallas              the kernel without any prior (the baseline of the ratio column)
+  pallas+ggd          the kernel with the generalized Gaussian prior computed in-kernel
+  pallas+ggd-noreuse  the same, each GGD tile evaluated per query sub-block (no reuse)
+  cudnn               jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)
+Optional variants: pallas+ggd+ssmax, pallas+alibi, pallas+ggd-exact (exact exp2/log2
+instead of the hardware approximations). Causal forward FLOPs = 2 * 2 * B * H * T * T / 2 * D.
 Before timing it checks the compiled kernel against the reference oracle (values and
 gradients) at a small size. Every configuration is caught separately; failures appear in
 the table. Rows are printed as they finish, so a run cut short by a timeout keeps them.
 
-    python bench/pallas_bench.py                     # full table on a GPU/TPU
-    python bench/pallas_bench.py --interpret         # tiny interpret-mode sanity run on CPU
+    PYTHONPATH=. python bench/pallas_bench.py --out pallas_bench.md   # GPU/TPU
+    PYTHONPATH=. python bench/pallas_bench.py --interpret             # CPU sanity run
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-k", type=int, default=None)
     parser.add_argument("--num-warps", type=int, default=None)
     parser.add_argument("--num-stages", type=int, default=None)
-    parser.add_argument("--iters", type=int, default=5, help="timed calls per configuration")
+    parser.add_argument("--iters", type=int, default=3, help="timed calls per configuration")
     parser.add_argument(
         "--max-seconds-per-config",
         type=float,
