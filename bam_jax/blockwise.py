@@ -52,6 +52,7 @@ class _Static:
     block_q: int
     block_k: int
     kv_len: int
+    q_len_padded: int
     kv_heads: int
     groups: int
     prior_inside: bool
@@ -92,6 +93,7 @@ def blockwise_attention(
         block_q=bq,
         block_k=bk,
         kv_len=kv_len,
+        q_len_padded=q_len + -q_len % bq,
         kv_heads=num_kv_heads,
         groups=num_heads // num_kv_heads,
         prior_inside=ssmax_prior_inside,
@@ -110,7 +112,10 @@ def blockwise_attention(
     if ssmax_scale_H is not None:
         log_n = _log_visible_counts(static, q_len + q_pad, offset, q_seg, k_seg)
         scale_KxG = ssmax_scale_H.astype(jnp.float32).reshape(num_kv_heads, static.groups)
-    out = _attention(static, q, k, v, prior, scale_KxG, log_n, q_seg, k_seg, offset)
+    bias_table = None
+    if prior is not None:
+        bias_table = prior.bias(_table_distances(static, k.shape[1], offset))
+    out = _attention(static, q, k, v, bias_table, scale_KxG, log_n, q_seg, k_seg, offset)
     return out[:, :q_len]
 
 
@@ -255,27 +260,40 @@ _toeplitz.defvjp(
 )
 
 
-def _tile_distances(static: _Static, q_start_pos, k_start) -> jax.Array:
-    """The bq + bk - 1 distances k_pos - q_pos of a tile, ascending, float32."""
-    first = k_start - q_start_pos - (static.block_q - 1)
+def _table_distances(static: _Static, kv_len_padded: int, offset) -> jax.Array:
+    """Every distance k_pos - q_pos a tile can hold, ascending, float32 [S + T - 1].
+
+    Entry t is the distance t - (T - 1) - offset, so the tile of (q_start, k_start)
+    starts at entry `_table_start` whatever the offset is.
+    """
+    size = kv_len_padded + static.q_len_padded - 1
+    first = -(static.q_len_padded - 1) - offset
+    return (first + jnp.arange(size, dtype=jnp.int32)).astype(jnp.float32)
+
+
+def _table_start(static: _Static, q_start, k_start) -> jax.Array:
+    return k_start - q_start + static.q_len_padded - static.block_q
+
+
+def _bias_vector(static: _Static, bias_table_HxL, q_start, k_start) -> jax.Array:
+    """The bq + bk - 1 prior values of a tile, [H, bq + bk - 1]."""
     length = static.block_q + static.block_k - 1
-    return (first + jnp.arange(length, dtype=jnp.int32)).astype(jnp.float32)
+    start = _table_start(static, q_start, k_start)
+    return lax.dynamic_slice_in_dim(bias_table_HxL, start, length, axis=1)
 
 
-def _tile_bias(static: _Static, prior: Prior, q_start_pos, k_start, batch: int) -> jax.Array:
+def _tile_bias(static: _Static, bias_vec_HxL: jax.Array, batch: int) -> jax.Array:
     """Prior bias of one tile, [N, G*bq, bk]."""
-    bias_vec = prior.bias(_tile_distances(static, q_start_pos, k_start))
-    bias_HxQxC = _toeplitz(bias_vec, static.block_q, static.block_k)
+    bias_HxQxC = _toeplitz(bias_vec_HxL, static.block_q, static.block_k)
     bias = bias_HxQxC.reshape(1, static.kv_heads, static.groups * static.block_q, -1)
     bias = jnp.broadcast_to(bias, (batch, *bias.shape[1:]))
     return bias.reshape(batch * static.kv_heads, static.groups * static.block_q, -1)
 
 
-def _tile_bias_transposed(static: _Static, prior: Prior, q_start_pos, k_start) -> jax.Array:
+def _tile_bias_transposed(static: _Static, bias_vec_HxL: jax.Array) -> jax.Array:
     """Prior bias of one tile with keys as rows, [K, bk, G*bq] (not broadcast over batch)."""
-    bias_vec = prior.bias(_tile_distances(static, q_start_pos, k_start))
     # out[j, i] = vec[j - i + bq - 1] = reversed_vec[i - j + bk - 1]
-    bias_HxCxQ = _toeplitz(bias_vec[:, ::-1], static.block_k, static.block_q)
+    bias_HxCxQ = _toeplitz(bias_vec_HxL[:, ::-1], static.block_k, static.block_q)
     bias = bias_HxCxQ.reshape(static.kv_heads, static.groups, static.block_k, static.block_q)
     return jnp.transpose(bias, (0, 2, 1, 3)).reshape(static.kv_heads, static.block_k, -1)
 
@@ -284,18 +302,19 @@ def _tile_logits(
     static: _Static,
     q_NxRxD: jax.Array,
     k_NxCxD: jax.Array,
-    prior: Prior | None,
+    bias_table: jax.Array | None,
     scale_KxG: jax.Array | None,
     log_n_BxQ: jax.Array | None,
-    q_start_pos: jax.Array,
+    q_start: jax.Array,
     k_start: jax.Array,
 ) -> jax.Array:
     """Unmasked float32 logits [N, R, C] of one tile."""
     batch = q_NxRxD.shape[0] // static.kv_heads
     logits = lax.dot_general(q_NxRxD, k_NxCxD, _NT) / jnp.float32(math.sqrt(q_NxRxD.shape[-1]))
     bias = None
-    if prior is not None:
-        bias = _tile_bias(static, prior, q_start_pos, k_start, batch)
+    if bias_table is not None:
+        bias_vec = _bias_vector(static, bias_table, q_start, k_start)
+        bias = _tile_bias(static, bias_vec, batch)
     if scale_KxG is not None:
         factor_NxRx1 = _ssmax_factor(static, scale_KxG, log_n_BxQ, batch)[..., None]
         if bias is not None and static.prior_inside:
@@ -360,7 +379,7 @@ def _counted_visible(static: _Static, offset, q_seg_BxT, k_seg_BxS) -> jax.Array
 # ----------------------------------------------------------------------------- passes
 
 
-def _forward(static: _Static, q, k, v, prior, scale, log_n, q_seg, k_seg, offset):
+def _forward(static: _Static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset):
     """Output [B, T, H, D] (q.dtype), log-sum-exp [B, H, T] (-inf: the row saw nothing)
     and whether a single key holds the row's whole probability (its softmax gradient
     is then zero; taking it as exactly zero keeps the rounding of delta out of large
@@ -384,7 +403,7 @@ def _forward(static: _Static, q, k, v, prior, scale, log_n, q_seg, k_seg, offset
             k_seg_tile = _slice_or_none(k_seg, k_start, bk)
             mask = _tile_mask(static, q_pos, k_start + jnp.arange(bk), q_seg_tile, k_seg_tile)
             logits = _tile_logits(
-                static, q_tile, k_tile, prior, scale, log_n_tile, q_start + offset, k_start
+                static, q_tile, k_tile, bias_table, scale, log_n_tile, q_start, k_start
             )
             logits = jnp.where(_expand_rows(static, mask, batch), logits, _NEG_INF)
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
@@ -425,7 +444,7 @@ def _backward(static: _Static, residuals, d_out):
     With keys as rows all five products are x @ y or x @ y^T, which XLA's CPU
     backend runs about 3x faster than the x^T @ y form the row layout needs.
     """
-    q, k, v, prior, scale, log_n, q_seg, k_seg, offset, out, lse, one_hot = residuals
+    q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset, out, lse, one_hot = residuals
     batch, q_len, _, head_dim = q.shape
     bq, bk = static.block_q, static.block_k
     num_q_blocks, num_k_blocks = q_len // bq, k.shape[1] // bk
@@ -442,7 +461,7 @@ def _backward(static: _Static, residuals, d_out):
         k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
 
         def query_block(qb, inner):
-            dk, dv, dq, d_prior, d_scale = inner
+            dk, dv, dq, d_table, d_scale = inner
             q_start = qb * bq
             q_tile = _rows_tile(static, q, q_start, bq)
             do_tile = _rows_tile(static, d_out, q_start, bq)
@@ -455,10 +474,10 @@ def _backward(static: _Static, residuals, d_out):
 
             scores_t = lax.dot_general(k_tile, q_tile, _NT) / sqrt_d
             bias_t, bias_vjp = None, None
-            if prior is not None:
+            if bias_table is not None:
+                bias_vec = _bias_vector(static, bias_table, q_start, k_start)
                 bias_t, bias_vjp = jax.vjp(
-                    lambda pr: _tile_bias_transposed(static, pr, q_start + offset, k_start),
-                    prior,
+                    functools.partial(_tile_bias_transposed, static), bias_vec
                 )
             factor_row = None
             if scale is not None:
@@ -478,28 +497,34 @@ def _backward(static: _Static, residuals, d_out):
                 ds_t = ds_t * factor_row
                 if static.prior_inside:
                     d_bias_t = ds_t
-            if prior is not None:
+            if bias_table is not None:
                 d_bias_sum = jnp.sum(_split_batch(static, d_bias_t), axis=0)
-                d_prior = jax.tree.map(jnp.add, d_prior, bias_vjp(d_bias_sum)[0])
+                d_table = _add_to_table(static, d_table, bias_vjp(d_bias_sum)[0], q_start, k_start)
             dk = dk + lax.dot_general(ds_t, q_tile, _NN) / sqrt_d
             dq_tile_t = lax.dot_general(k_tile_t, ds_t, _NN) / sqrt_d
             dq_tile = _rows_to_bthd(static, jnp.swapaxes(dq_tile_t, 1, 2), batch)
             dq_old = lax.dynamic_slice_in_dim(dq, q_start, bq, axis=1)
             dq = lax.dynamic_update_slice_in_dim(dq, dq_old + dq_tile, q_start, axis=1)
-            return dk, dv, dq, d_prior, d_scale
+            return dk, dv, dq, d_table, d_scale
 
-        dq, d_prior, d_scale = carry
+        dq, d_table, d_scale = carry
         lo, hi = _query_block_range(static, k_start, offset, num_q_blocks)
-        init = (zeros(k_tile), zeros(v_tile), dq, d_prior, d_scale)
-        dk, dv, dq, d_prior, d_scale = lax.fori_loop(lo, hi, query_block, init)
-        return (dq, d_prior, d_scale), (dk, dv)
+        init = (zeros(k_tile), zeros(v_tile), dq, d_table, d_scale)
+        dk, dv, dq, d_table, d_scale = lax.fori_loop(lo, hi, query_block, init)
+        return (dq, d_table, d_scale), (dk, dv)
 
-    init = (jnp.zeros(q.shape, jnp.float32), zeros(prior), zeros(scale))
-    (dq, d_prior, d_scale), (dk_blocks, dv_blocks) = lax.scan(
+    init = (jnp.zeros(q.shape, jnp.float32), zeros(bias_table), zeros(scale))
+    (dq, d_table, d_scale), (dk_blocks, dv_blocks) = lax.scan(
         key_block, init, jnp.arange(num_k_blocks)
     )
     dk, dv = (_key_blocks_to_bskd(x, k.shape) for x in (dk_blocks, dv_blocks))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_prior, d_scale
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_table, d_scale
+
+
+def _add_to_table(static: _Static, table_HxL, vec_HxV, q_start, k_start) -> jax.Array:
+    start = _table_start(static, q_start, k_start)
+    old = lax.dynamic_slice_in_dim(table_HxL, start, vec_HxV.shape[1], axis=1)
+    return lax.dynamic_update_slice_in_dim(table_HxL, old + vec_HxV, start, axis=1)
 
 
 def _row_stats(static: _Static, x_BxHxT: jax.Array, start, size: int) -> jax.Array:
@@ -558,20 +583,20 @@ def _key_blocks_to_bskd(x_MxNxCxD: jax.Array, shape: tuple[int, ...]) -> jax.Arr
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, prior, scale, log_n, q_seg, k_seg, offset):
-    return _forward(static, q, k, v, prior, scale, log_n, q_seg, k_seg, offset)[0]
+def _attention(static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset):
+    return _forward(static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset)[0]
 
 
-def _attention_fwd(static, q, k, v, prior, scale, log_n, q_seg, k_seg, offset):
-    out, lse, one_hot = _forward(static, q, k, v, prior, scale, log_n, q_seg, k_seg, offset)
-    return out, (q, k, v, prior, scale, log_n, q_seg, k_seg, offset, out, lse, one_hot)
+def _attention_fwd(static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset):
+    out, lse, one_hot = _forward(static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset)
+    return out, (q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset, out, lse, one_hot)
 
 
 def _attention_bwd(static, residuals, d_out):
-    dq, dk, dv, d_prior, d_scale = _backward(static, residuals, d_out)
+    dq, dk, dv, d_table, d_scale = _backward(static, residuals, d_out)
     log_n = residuals[5]
     d_log_n = None if log_n is None else jnp.zeros_like(log_n)
-    return dq, dk, dv, d_prior, d_scale, d_log_n, None, None, None
+    return dq, dk, dv, d_table, d_scale, d_log_n, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
