@@ -27,7 +27,7 @@ class LinenBlock(nn.Module):
 
 
 def test_attention_inside_linen_equals_nnx_module():
-    x = jax.random.normal(jax.random.key(0), (2, 10, CONFIG.dim))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 10, CONFIG.dim), np.float32))
     segments = jnp.array([[0] * 4 + [1] * 6, [3] * 10])
     block = LinenBlock(CONFIG)
     variables = jax.jit(block.init)(jax.random.key(1), x, segments)
@@ -52,7 +52,7 @@ def test_attention_inside_linen_equals_nnx_module():
 
 
 def test_whole_model_inside_linen_equals_nnx_model():
-    tokens = jax.random.randint(jax.random.key(2), (1, 9), 0, CONFIG.vocab_size)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, CONFIG.vocab_size, (1, 9)))
     module = linen_transformer(CONFIG)
     variables = jax.jit(module.init)(jax.random.key(3), tokens)
     logits = jax.jit(module.apply)(variables, tokens)

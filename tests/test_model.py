@@ -44,16 +44,12 @@ def micro(encoding: str = "bam_ssmax", **overrides) -> ModelConfig:
     )
 
 
-def random_tokens(config: ModelConfig, batch: int, length: int, seed: int = 1) -> jax.Array:
-    return jax.random.randint(jax.random.key(seed), (batch, length), 0, config.vocab_size)
-
-
 def perturb_prior(model: Transformer, seed: int = 7) -> None:
     """Moves every prior parameter and SSMax scale away from its (symmetric) initial value."""
     state = nnx.state(model, nnx.Any(PriorParam, SSMaxParam, PriorConstant))
     leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    rng = np.random.default_rng(seed)
+    noisy = [x + 0.3 * rng.standard_normal(x.shape, np.float32) for x in leaves]
     nnx.update(model, jax.tree.unflatten(treedef, noisy))
 
 
@@ -191,7 +187,7 @@ def test_rope_local_window_blocks_distant_tokens():
     assert np.all(grad[:6] == 0.0) and np.all(grad[6:10] > 0.0) and np.all(grad[10:] == 0.0)
 
 
-@pytest.mark.parametrize("encoding", ["bam_ssmax", "rope_local", "alibi_ssmax"])
+@pytest.mark.parametrize("encoding", ["bam_ssmax", "rope_local"])
 def test_blockwise_attention_gives_the_same_model(encoding):
     _, model = built(encoding, local_window=5)
     blockwise = reconfigure(model, attention_impl="blockwise", block_q=4, block_k=8)
@@ -245,9 +241,8 @@ def test_remat_equals_no_remat_values_and_gradients():
     assert np.abs(grads["prior"]["theta_alpha"]).max() > 0
 
 
-@pytest.mark.parametrize("encoding", ["bam_ssmax", "rope"])
-def test_bfloat16_compute_is_close_to_float32(encoding):
-    _, model = built(encoding)
+def test_bfloat16_compute_is_close_to_float32():
+    _, model = built("bam_ssmax")
     half = reconfigure(model, dtype="bfloat16")
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(half)))
     full_logits, half_logits = run(model), run(half)
@@ -392,9 +387,9 @@ def test_config_validation_names_the_field(field, value):
 
 
 def test_rope_is_relative_and_uses_adjacent_pairs():
-    x = jax.random.normal(jax.random.key(0), (1, 1, 1, 8))
-    y = jax.random.normal(jax.random.key(1), (1, 1, 1, 8))
+    x, y = np.random.default_rng(0).standard_normal((2, 1, 1, 1, 8), np.float32)
 
+    @jax.jit
     def score(p, q):
         rx = apply_rope(x, jnp.array([p]), theta=500000.0)
         ry = apply_rope(y, jnp.array([q]), theta=500000.0)
