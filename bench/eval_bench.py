@@ -7,7 +7,8 @@ Each (model, length) runs in a fresh process, so its peak resident memory (ru_ma
 JAX runtime, weights, KV cache, scratch) is its own. Random weights (speed does not depend
 on them), the Mistral tokenizer and the paper's prompt; one untimed sample compiles the
 steps, then `--repeats` samples are timed. A length whose time, extrapolated
-quadratically from the previous one, exceeds `--max-seconds` is skipped and marked so.
+quadratically from the previous one, exceeds `--max-seconds` is not run (its planned
+memory is still compiled and shown) and marked so.
 Columns: wall seconds per sample, CPU seconds per sample (all threads; steadier than
 wall time on a shared machine), the first call (compile + one sample), peak RSS, the
 KV cache and the compiled scratch of one prefill step, and the 1-minute load average.
@@ -40,8 +41,11 @@ DEFAULT_LENGTHS = {
 REFERENCE_SECONDS = {4096: 4.8, 8192: 17.7, 16384: 61.0}
 
 
-def measure(model_name: str, length: int, chunk: int, block_k: int, repeats: int) -> dict:
-    """Runs in the child process: compile once, then time `repeats` samples."""
+def measure(
+    model_name: str, length: int, chunk: int, block_k: int, repeats: int, compile_only: bool
+) -> dict:
+    """Runs in the child process: compile once, then time `repeats` samples (or only report
+    the planned memory with `compile_only`)."""
     import numpy as np
 
     from bam_jax.config import ModelConfig
@@ -62,6 +66,16 @@ def measure(model_name: str, length: int, chunk: int, block_k: int, repeats: int
     samples = samples_for_length(
         tokenizer, length, PasskeySettings(n_samples=repeats + 1, sampling="random")
     )
+    prompt_tokens = len(samples[0].tokens)
+    planned = {
+        "model": model_name,
+        "length": length,
+        "tokens": prompt_tokens,
+        "cache_bytes": cache_bytes_per_slot(config) * prompt_tokens,
+        "scratch_bytes": scorer.compiled_temp_bytes(1, prompt_tokens),
+    }
+    if compile_only:
+        return planned
     start = time.perf_counter()
     score_samples(scorer, samples[:1])
     first = time.perf_counter() - start
@@ -70,18 +84,13 @@ def measure(model_name: str, length: int, chunk: int, block_k: int, repeats: int
         score_samples(scorer, [s])
     seconds = (time.perf_counter() - start) / repeats
     cpu_seconds = (time.process_time() - cpu_start) / repeats
-    prompt_tokens = len(samples[0].tokens)
     return {
-        "model": model_name,
-        "length": length,
-        "tokens": prompt_tokens,
+        **planned,
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
         "load_average": os.getloadavg()[0],
         "first_call_seconds": first,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "cache_bytes": cache_bytes_per_slot(config) * prompt_tokens,
-        "scratch_bytes": scorer.compiled_temp_bytes(1, prompt_tokens),
         "params": int(sum(np.prod(x.shape) for x in _leaves(model))),
     }
 
@@ -109,10 +118,13 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         model_name, length = args.child.split(":")
-        row = measure(model_name, int(length), args.chunk, args.block_k, args.repeats)
+        row = measure(
+            model_name, int(length), args.chunk, args.block_k, args.repeats, args.compile_only
+        )
         print("RESULT " + json.dumps(row))
         return
 
@@ -125,10 +137,17 @@ def main() -> None:
     for model_name in args.models.split(","):
         previous = None
         for length in _parse_lengths(args.lengths or DEFAULT_LENGTHS[model_name]):
-            if previous and previous["seconds"] * (length / previous["length"]) ** 2 > (
-                args.max_seconds
-            ):
-                print(f"{model_name:>7} {length:>7}  skipped: over --max-seconds by extrapolation")
+            estimate = previous and previous["seconds"] * (length / previous["length"]) ** 2
+            if estimate and estimate > args.max_seconds:
+                row = _run_child(model_name, length, args, compile_only=True)
+                guess = f"~{estimate:.0f}"
+                print(
+                    f"{model_name:>7} {length:>7} {row['tokens']:>7} {guess:>9} "
+                    f"{'-':>7} {'-':>8} {'-':>9} {_mib(row['cache_bytes']):>9} "
+                    f"{_mib(row['scratch_bytes']):>9}  not run: quadratic extrapolation "
+                    f"over --max-seconds {args.max_seconds:.0f}",
+                    flush=True,
+                )
                 continue
             row = _run_child(model_name, length, args)
             rows.append(row)
@@ -147,7 +166,9 @@ def main() -> None:
             json.dump(rows, f, indent=1)
 
 
-def _run_child(model_name: str, length: int, args: argparse.Namespace) -> dict:
+def _run_child(
+    model_name: str, length: int, args: argparse.Namespace, compile_only: bool = False
+) -> dict:
     command = [
         sys.executable,
         os.path.abspath(__file__),
