@@ -10,13 +10,16 @@ Rows:
   l6      the paper's l6 model (dim 512, 6 layers, 16 heads) at context 512, batch 4, float32
 
 Each step is the full optimizer step (forward, backward, RAdam with weight decay, clipping);
-the timed loop feeds one prepared batch so that data loading is not measured.
+the timed loop feeds one prepared batch so that data loading is not measured. On a shared
+machine wall time depends on the load; the CPU seconds per step (all threads of this process)
+divided by the core count estimate the step time of an otherwise idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 
@@ -53,12 +56,13 @@ def measure(cfg: TrainConfig, steps: int, warmup: int = 2) -> dict[str, float]:
     for _ in range(warmup):
         state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     step_s = statistics.median(times)
     tokens = cfg.accum_steps * cfg.batch_size * cfg.seq_len
     return {
@@ -67,6 +71,7 @@ def measure(cfg: TrainConfig, steps: int, warmup: int = 2) -> dict[str, float]:
         "compile_s": compile_s,
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
+        "cpu_s": statistics.median(cpu_times),
     }
 
 
@@ -90,8 +95,9 @@ def main() -> None:
     configs = bench_configs()
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}")
     print(f"float32 matmul: {matmul_gflops():.0f} GFLOP/s (before the runs)")
-    print("| config | params | tokens/step | compile s | step s | tokens/s |")
-    print("|---|---|---|---|---|---|")
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print("| config | params | tokens/step | compile s | step s | tokens/s | CPU s/step |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.configs.split(","):
         cfg = configs[name]
         if args.attention_impl:
@@ -100,7 +106,8 @@ def main() -> None:
         r = measure(cfg, args.steps)
         print(
             f"| {name} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | "
-            f"{r['compile_s']:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} |",
+            f"{r['compile_s']:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['cpu_s']:.2f} |",
             flush=True,
         )
     print(f"float32 matmul: {matmul_gflops():.0f} GFLOP/s (after the runs)")
