@@ -1,10 +1,14 @@
 """Inference with a key/value cache: chunked prefill, single-token decode, generation.
 
-The cache holds every layer's rotated keys and values in fixed-capacity buffers
-[L, B, S, Hkv, D]; `length` counts the filled slots (shared by the batch). A forward over
-a chunk writes its keys at `length` and attends with query_offset = length, so slots not
-yet written lie in the future of every query and are masked by causality. SSMax counts
-the cached tokens in n_i.
+The cache holds every layer's rotated keys and values in fixed-capacity buffers, one
+[B, S, Hkv, D] array per layer (so a jitted step that donates the cache updates each in
+place); `length` counts the filled slots (shared by the batch). A forward over a chunk
+writes its keys at `length` and attends with query_offset = length, so slots not yet
+written lie in the future of every query and are masked by causality. SSMax counts the
+cached tokens in n_i.
+
+A model with `scan_layers` works too, but its scan copies the cache on every call;
+`reconfigure(model, scan_layers=False)` gives the same weights in the in-place layout.
 
 `prefill` runs the prompt in chunks of a fixed size (the last one padded and masked), so
 one compiled step serves every prompt length and memory is bounded by
@@ -30,19 +34,19 @@ if TYPE_CHECKING:
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every layer, [L, B, S, Hkv, D], and the number of filled slots."""
+    """Per-layer keys and values (tuples of L arrays [B, S, Hkv, D]) and the filled length."""
 
-    keys: jax.Array
-    values: jax.Array
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
     length: jax.Array
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.keys[0].shape[1]
 
     @property
     def batch_size(self) -> int:
-        return self.keys.shape[1]
+        return self.keys[0].shape[0]
 
 
 def init_cache(
@@ -54,10 +58,10 @@ def init_cache(
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    shape = (config.n_layers, batch, capacity, config.kv_heads, config.head_dim)
+    shape = (batch, capacity, config.kv_heads, config.head_dim)
     return KVCache(
-        keys=jnp.zeros(shape, dtype),
-        values=jnp.zeros(shape, dtype),
+        keys=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
+        values=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
         length=jnp.zeros((), jnp.int32),
     )
 

@@ -374,18 +374,22 @@ class Transformer(nnx.Module):
                 values.append(kv[1])
         if cache is None:
             return h_BxTxD, None
-        return h_BxTxD, (jnp.stack(keys), jnp.stack(values))
+        return h_BxTxD, (tuple(keys), tuple(values))
 
     def _scan_layers(self, h_BxTxD, segment_ids_BxT, prior, cache):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
-        kv = None if cache is None else (cache.keys, cache.values)
+        # The scan reads and writes stacked [L, ...] buffers: a copy of the cache per call.
+        kv = None if cache is None else (jnp.stack(cache.keys), jnp.stack(cache.values))
 
         @nnx.scan(in_axes=(0, nnx.Carry, None, None, 0, None), out_axes=(nnx.Carry, 0))
         def run(block, h_BxTxD, segment_ids_BxT, prior, kv, offset):
             return apply(block, h_BxTxD, segment_ids_BxT, prior, kv, offset)
 
-        return run(self.layers, h_BxTxD, segment_ids_BxT, prior, kv, offset)
+        h_BxTxD, kv = run(self.layers, h_BxTxD, segment_ids_BxT, prior, kv, offset)
+        if kv is None:
+            return h_BxTxD, None
+        return h_BxTxD, (tuple(kv[0]), tuple(kv[1]))
 
 
 def count_params(model: nnx.Module) -> int:

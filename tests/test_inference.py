@@ -119,8 +119,9 @@ def test_cache_shapes_dtypes_and_errors():
     model = built("bam_ssmax")
     config = model.config
     cache = init_cache(config.replace(dtype="bfloat16"), 3, 10)
-    assert isinstance(cache, KVCache) and cache.keys.dtype == jnp.bfloat16
-    chex.assert_shape(cache.values, (config.n_layers, 3, 10, config.kv_heads, config.head_dim))
+    assert isinstance(cache, KVCache) and cache.keys[0].dtype == jnp.bfloat16
+    assert len(cache.values) == config.n_layers
+    chex.assert_shape(cache.values[1], (3, 10, config.kv_heads, config.head_dim))
     assert cache.capacity == 10 and int(cache.length) == 0
     tokens = tokens_for(model, 9)
     with pytest.raises(ValueError, match="capacity"):
