@@ -49,7 +49,16 @@ class ModelConfig:
     number); `prior_beta_init` the initial theta_beta ("linear" = linspace(0, 1, H),
     "sampled" = standard normal, or a number); `prior_mu_init` the initial theta_mu. The
     defaults are the "uniform" prior (starts as NoPE). `global_prior` shares one prior
-    across layers; otherwise every layer has its own.
+    across layers; otherwise every layer has its own. `train_*` choose which prior
+    parameters (and SSMax scales) are trained; frozen ones are stored as constants.
+
+    Other fields: `n_kv_heads` (None = n_heads) for grouped-query attention;
+    `ssmax_prior_inside` puts the BAM prior inside the SSMax scaling (spec section 4);
+    `local_window` is the rope_local window (None = max_seq_len, as in the reference);
+    `dtype` the compute dtype (parameters stay float32; priors, norms and softmax run in
+    float32); `attention_impl`, `block_q`, `block_k` select the attention kernel;
+    `remat` rematerialises each block in the backward pass; `scan_layers` stacks the
+    blocks and scans over them (faster compilation of deep models).
     """
 
     vocab_size: int = 32768

@@ -14,6 +14,7 @@ from flax import nnx
 
 from bam_jax.config import ENCODINGS, ModelConfig
 from bam_jax.model import (
+    Attention,
     PriorConstant,
     PriorParam,
     SSMaxParam,
@@ -324,6 +325,16 @@ def test_every_variable_has_logical_axis_names():
     for path, axes in expected.items():
         assert found[path] == axes, path
     assert model.layers[0].attention.wk.kernel.shape == (32, 16)
+
+
+def test_standalone_attention_needs_the_global_prior():
+    config = micro("bam")
+    attention = Attention(config, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 3, config.dim))
+    with pytest.raises(ValueError, match="prior"):
+        attention(x)
+    prior = Transformer(config).prior()
+    chex.assert_shape(attention(x, prior=prior), (1, 3, config.dim))
 
 
 def test_split_merge_and_tree_mode():
