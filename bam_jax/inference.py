@@ -96,6 +96,7 @@ def prefill(
 
     The final chunk is padded to `chunk_size`, so the cache needs room for the prompt
     rounded up to a multiple of `chunk_size` (the padded slots are overwritten later).
+    The cache passed in is donated (its buffers are updated in place): use the returned one.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -120,7 +121,8 @@ def prefill(
 def decode_step(
     model: Transformer, tokens_Bx1: jax.Array, cache: KVCache
 ) -> tuple[jax.Array, KVCache]:
-    """Appends one token per row; returns its next-token logits [B, V]."""
+    """Appends one token per row; returns its next-token logits [B, V] and the new cache
+    (the cache passed in is donated)."""
     tokens_Bx1 = jnp.asarray(tokens_Bx1, jnp.int32)
     if tokens_Bx1.ndim != 2 or tokens_Bx1.shape[1] != 1:
         raise ValueError(f"tokens_Bx1 must be [batch, 1], got {tokens_Bx1.shape}")
