@@ -176,10 +176,11 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, corpus):
 
 
 def test_loss_at_answer_positions_equals_the_full_logits_loss():
-    cfg = preset("micro")
-    parts, _, _ = ModelParts.from_config(cfg.model)
-    params, consts = parts.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
-    rows = [PasskeyRows(cfg.data, get_tokenizer("mistral"), cfg.seq_len, seed=0)[i] for i in (0, 1)]
+    model_cfg = preset("micro").model.replace(vocab_size=259, max_seq_len=300)
+    parts, _, _ = ModelParts.from_config(model_cfg)
+    params, consts = parts.split(Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    passkey_rows = PasskeyRows(DataConfig(tokenizer="byte"), get_tokenizer("byte"), 300, seed=0)
+    rows = [passkey_rows[i] for i in (0, 1)]
     batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     full = {k: v for k, v in batch.items() if k != "loss_positions"}
     loss = jax.jit(lambda b: loss_sums(parts, params, consts, b))
@@ -200,3 +201,10 @@ def test_gradient_accumulation_matches_one_large_batch(corpus):
     np.testing.assert_allclose(float(metrics_a["loss"]), float(metrics_b["loss"]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(state_a.params), jax.tree.leaves(state_b.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_resuming_with_another_model_is_an_error(full_run, corpus):
+    workdir, _ = full_run
+    cfg = small_config(corpus)
+    with pytest.raises(ValueError, match=r"another model .*'dim': \(32, 64\)"):
+        train(cfg.replace(model=cfg.model.replace(dim=64)), workdir)

@@ -26,7 +26,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, read_config
 from train.config import TrainConfig, validate_for_runtime
 from train.data import BatchLayout, loss_positions_per_row, train_iterator, val_batches
 from train.metrics import MetricsWriter, device_peak_flops, train_flops_per_token
@@ -271,21 +271,22 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
     latest checkpoint in `workdir` if there is one."""
     setup = build(cfg)
     os.makedirs(workdir, exist_ok=True)
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
     layout = setup.layout()
     data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, layout)
+    val = []
+    if cfg.eval_every:
+        val = val_batches(cfg.data, cfg.seq_len, cfg.seed, layout, cfg.eval_batches)
     checkpointer = Checkpointer(workdir, cfg)
     start = checkpointer.latest_step()
     if start is None:
         state, start = setup.init(), 0
     else:
+        _check_same_model(cfg, workdir, start)
         state, data_state = checkpointer.restore(start, setup.abstract_sharded_state())
         data.set_state(data_state)
-    val = []
-    if cfg.eval_every:
-        val = val_batches(cfg.data, cfg.seq_len, cfg.seed, layout, cfg.eval_batches)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
     writer = MetricsWriter(
         workdir, total_steps=cfg.steps, start_step=start, progress_bar=cfg.progress_bar
     )
@@ -299,6 +300,18 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
     finally:
         checkpointer.close()
         writer.close()
+
+
+def _check_same_model(cfg: TrainConfig, workdir: str, step: int) -> None:
+    """Resuming needs the model of the checkpoint; other fields (steps, lr, ...) may change."""
+    saved, _ = read_config(workdir, step)
+    if saved.model != cfg.model:
+        old, new = saved.model.to_dict(), cfg.model.to_dict()
+        changed = {k: (old[k], new[k]) for k in new if old[k] != new[k]}
+        raise ValueError(
+            f"workdir: {workdir!r} holds checkpoints of another model (changed model fields, "
+            f"saved -> requested: {changed}); use a new workdir"
+        )
 
 
 @dataclasses.dataclass
