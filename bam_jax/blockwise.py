@@ -1,20 +1,20 @@
-"""Flash-style blockwise attention with a positional prior evaluated per tile.
+"""Flash-style blockwise attention with a positional prior gathered per tile.
 
 Queries are processed one block at a time (a sequential loop), and each query block
-runs an online softmax over the key blocks it can see: the trip count is dynamic, so
-key blocks above the causal diagonal, outside the sliding window, or in unfilled
-cache slots are never touched. No array of size T x S exists at any point; apart
-from the inputs, the output and their gradients, memory is a few tiles.
+runs an online softmax in float32 over the key blocks it can see: the trip count is
+dynamic, so key blocks above the causal diagonal, outside the sliding window, or in
+unfilled cache slots are never touched. No array of size T x S exists at any point;
+apart from the inputs, the output and their gradients, memory is a few tiles plus
+O(H (S + T)) for the prior.
 
-The prior of a (query block, key block) tile depends on the distance
-d = k_pos - q_pos only. Inside one tile d takes bq + bk - 1 distinct values, so the
-prior is evaluated on that vector (O(H (bq + bk)) transcendental functions instead of
-O(H bq bk)) and expanded to the tile as a Toeplitz matrix by a strided reshape that
-XLA fuses into the logits. The backward pass gets the distance gradient as the
-transpose of that expansion (sums along diagonals) and differentiates `prior.bias`
-on the vector, so any prior with a `bias` method works (GGD, ALiBi) and the query
-offset may be a traced value. A global table of the prior over all distances would
-need a static bound on the offset and costs the same per tile.
+The prior depends on the distance d = k_pos - q_pos only. It is evaluated once on
+every distance a tile can hold (a table [H, S + T - 1]); a tile's bq + bk - 1 values
+are a slice of it, expanded to the tile as a Toeplitz matrix by a strided reshape
+that XLA fuses into the logits. The gradient flows back the same way: sums along the
+tile's diagonals are added into a table gradient, and one VJP of `prior.bias` on
+the table gives the parameter gradients. Any prior with a `bias` method works (GGD,
+ALiBi), and the query offset may be a traced value (it shifts the table's distances,
+not the tile indexing).
 
 The gradient is a custom VJP in the FlashAttention-2 style: probabilities are
 recomputed from the saved log-sum-exp in one pass over key blocks (outer) and the
