@@ -63,6 +63,8 @@ class ModelParts:
             names = v.get_metadata().get("out_sharding")
             return tuple(names) if names is not None else None
 
+        _check_leaf_order(params)
+        _check_leaf_order(consts)
         parts = cls(
             graphdef=graphdef,
             params_treedef=jax.tree.structure(params),
@@ -81,6 +83,22 @@ class ModelParts:
     def split(self, model: Transformer) -> tuple[PyTree, PyTree]:
         _, params, consts = nnx.split(model, nnx.Param, ...)
         return nnx.to_pure_dict(params), nnx.to_pure_dict(consts)
+
+
+def _key_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def _check_leaf_order(state: nnx.State) -> None:
+    """`merge` pairs dict leaves with State leaves by position: both orders must agree."""
+    pure_paths = [
+        _key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    ]
+    state_paths = [_key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    if len(pure_paths) != len(state_paths) or any(
+        s[: len(p)] != p for p, s in zip(pure_paths, state_paths, strict=False)
+    ):
+        raise RuntimeError("parameter dict and nnx.State flatten in different orders")
 
 
 def _shardings(mesh: Mesh, logical: PyTree, abstract: PyTree) -> PyTree:
