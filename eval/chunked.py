@@ -7,8 +7,9 @@ Two jitted steps exist per (batch, chunk, capacity) shape:
 
 - advance: runs a chunk and keeps only the cache; its logits are dead code that XLA drops,
   so chunks with nothing to score skip the output projection entirely;
-- score: runs a chunk and returns the logits at a few requested positions only ([B, K, V]),
-  or the per-position next-token loss ([B, C]), never [T, vocab].
+- score: runs a chunk and returns the logits at a few requested positions only ([B, K, V];
+  a model with `hidden_states` / `logits` projects only those positions), or the
+  per-position next-token loss ([B, C]), never [T, vocab].
 
 Memory is the cache (linear in length) plus one chunk's activations; with blockwise
 attention no array grows with length squared. Blockwise attention also skips unfilled cache
@@ -72,8 +73,13 @@ class ChunkedScorer:
             return cache
 
         def gather(state, cache, tokens_BxC, positions_BxK):
-            logits_BxCxV, cache = nnx.merge(graphdef, state)(tokens_BxC, cache=cache)
+            model = nnx.merge(graphdef, state)
             index_BxKx1 = jnp.clip(positions_BxK, 0, tokens_BxC.shape[1] - 1)[..., None]
+            if hasattr(model, "hidden_states"):  # project only the scored positions
+                hidden_BxCxD, cache = model.hidden_states(tokens_BxC, cache=cache)
+                picked_BxKxD = jnp.take_along_axis(hidden_BxCxD, index_BxKx1, axis=1)
+                return cache, model.logits(picked_BxKxD).astype(jnp.float32)
+            logits_BxCxV, cache = model(tokens_BxC, cache=cache)
             picked_BxKxV = jnp.take_along_axis(logits_BxCxV, index_BxKx1, axis=1)
             return cache, picked_BxKxV.astype(jnp.float32)
 

@@ -17,7 +17,7 @@ from flax import nnx
 
 from bam_jax.config import ModelConfig
 from bam_jax.inference import init_cache
-from bam_jax.model import Transformer
+from bam_jax.model import Transformer, reconfigure
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
 from eval.chunked import ChunkedScorer
 
@@ -133,20 +133,22 @@ def for_inference(
     block_k: int | None = None,
     dtype: str | None = None,
 ) -> Transformer:
-    """The same weights under an inference configuration (attention kernel, blocks, dtype)."""
-    changes: dict[str, Any] = {"attention_impl": attention_impl, "remat": False}
+    """The same weights under an inference configuration: blockwise attention, unrolled
+    layers (the cache is then updated in place), no remat, optional blocks and dtype."""
+    changes: dict[str, Any] = {
+        "attention_impl": attention_impl,
+        "remat": False,
+        "scan_layers": False,
+    }
     if block_q is not None:
         changes["block_q"] = block_q
     if block_k is not None:
         changes["block_k"] = block_k
     if dtype is not None:
         changes["dtype"] = dtype
-    config = model.config.replace(**changes)
-    if config == model.config:
+    if model.config.replace(**changes) == model.config:
         return model
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    graphdef, _ = nnx.split(abstract)
-    return nnx.merge(graphdef, nnx.state(model))
+    return reconfigure(model, **changes)
 
 
 def make_scorer(model: Transformer, *, chunk_size: int) -> ChunkedScorer:

@@ -10,9 +10,13 @@ from bam_jax.config import ModelConfig
 from eval.models import cache_bytes_per_slot, for_inference, make_scorer, random_model
 
 
-def _model(encoding: str):
+def _model(encoding: str, scan_layers: bool = False):
     config = ModelConfig.preset(
-        "micro", encoding=encoding, max_seq_len=32, prior_beta_init="linear"
+        "micro",
+        encoding=encoding,
+        max_seq_len=32,
+        prior_beta_init="linear",
+        scan_layers=scan_layers,
     )
     return random_model(config, seed=1)
 
@@ -22,9 +26,12 @@ def _full_forward(model, tokens_BxT):
     return model(tokens_BxT)
 
 
-@pytest.mark.parametrize("encoding", ["bam_ssmax", "rope", "sinusoidal_ssmax"])
-def test_chunked_logits_match_full_forward(encoding: str) -> None:
-    model = _model(encoding)
+@pytest.mark.parametrize(
+    ("encoding", "scan_layers"), [("bam_ssmax", False), ("rope", False), ("sinusoidal_ssmax", True)]
+)
+def test_chunked_logits_match_full_forward(encoding: str, scan_layers: bool) -> None:
+    # A scanned (training layout) model is evaluated in the unrolled, in-place cache layout.
+    model = _model(encoding, scan_layers)
     tokens = np.random.default_rng(0).integers(3, 64, size=(2, 75)).astype(np.int32)
     full = np.asarray(_full_forward(model, tokens))
     positions = np.array([[0, 15, 16, 40, 74], [5, 31, 32, 33, 70]])
