@@ -1,10 +1,10 @@
 """`bam-train` (also `python -m train`): train a BAM model.
 
   bam-train --config=tiny --workdir=/tmp/bam-tiny
-  bam-train --config=l12_512 --workdir=gs://... --config.data.path=DIR --config.steps=5000
+  bam-train --config=l12_512 --workdir=runs/l12 --config.data.path=DIR --config.steps=5000
   bam-train --config=my_config.py --workdir=DIR          (a file with get_config())
   bam-train --config=DIR/config.json --workdir=DIR2      (a resolved config)
-  bam-train --config=tiny --workdir=DIR --dry_run        (compile, print size and memory)
+  bam-train --config=tiny --dry-run                      (compile, print size and memory)
 
 Any field can be overridden with `--config.FIELD=VALUE`, nested with dots:
 `--config.model.encoding=rope`, `--config.optim.lr=3e-4`, `--config.mesh.fsdp=4`,
