@@ -24,6 +24,7 @@ from bam_jax.kernels.tile_math import (
     RowCoefficients,
     exact_math,
     finalize,
+    full_block_stop,
     ggd_unit,
     init_state,
     key_block_range,
@@ -100,7 +101,7 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
     def unit_at(k_start):
         return ggd_unit(math_ops, head, k_start - q_start, (sub_rows, bk))
 
-    def body(k_block, state):
+    def body(k_block, state, *, masked: bool):
         carries, window = state
         k_start = pl.multiple_of(k_block * bk, bk)
         keys = pl.ds(k_start, bk)
@@ -121,6 +122,7 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
                 sub.seg_Rx1,
                 k_seg,
                 unit,
+                masked=masked,
             )
             new_carries.append(online_update(math_ops, carry, logits, v_KxD))
         return tuple(new_carries), units[:-1] if reuse else ()
@@ -128,7 +130,11 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
     start, stop = key_block_range(config, q_start)
     window = tuple(unit_at((start - s) * bk) for s in range(1, splits)) if reuse else ()
     carries = tuple(init_state(sub_rows, q_ref.shape[1]) for _ in range(splits))
-    carries, _ = lax.fori_loop(start, stop, body, (carries, window))
+    # Tiles below the diagonal need no mask; the rest (diagonal, padding, documents) do.
+    full_stop = full_block_stop(config, q_start, start, stop)
+    state = (carries, window)
+    state = lax.fori_loop(start, full_stop, functools.partial(body, masked=False), state)
+    carries, _ = lax.fori_loop(full_stop, stop, functools.partial(body, masked=True), state)
     for sub, carry in zip(subs, carries, strict=True):
         out, lse = finalize(carry)
         out_ref[sub.rows, :] = out.astype(out_ref.dtype)

@@ -118,16 +118,21 @@ def row_coefficients(
     return RowCoefficients(content=content, prior=prior)
 
 
-def ggd_unit(
-    math_ops: MathOps, head: HeadScalars, relative_start: jax.Array, shape: tuple[int, int]
-) -> jax.Array:
-    """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [Q, K]."""
-    distance = (
+def _distance(relative_start: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """k_pos - q_pos over a tile whose first key sits relative_start after its first query."""
+    return (
         relative_start
         + lax.broadcasted_iota(jnp.int32, shape, 1)
         - lax.broadcasted_iota(jnp.int32, shape, 0)
     )
-    gap = jnp.abs(distance.astype(jnp.float32) - head.mu) + jnp.float32(GGD_EPS)
+
+
+def ggd_unit(
+    math_ops: MathOps, head: HeadScalars, relative_start: jax.Array, shape: tuple[int, int]
+) -> jax.Array:
+    """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [Q, K]."""
+    distance = _distance(relative_start, shape).astype(jnp.float32)
+    gap = jnp.abs(distance - head.mu) + jnp.float32(GGD_EPS)
     return math_ops.exp2(head.beta * math_ops.log2(gap))
 
 
@@ -143,27 +148,31 @@ def tile_logits_log2(
     q_seg_Qx1: jax.Array | None,
     k_seg_1xK: jax.Array | None,
     ggd_unit_QxK: jax.Array | None = None,
+    *,
+    masked: bool = True,
 ) -> jax.Array:
-    """Masked logits of one tile in log2 units (-inf where not visible), float32 [Q, K].
+    """Logits of one tile in log2 units, float32 [Q, K]; -inf where not visible.
 
     ggd_unit_QxK: the GGD tile without its per-row coefficient when the caller already has
     it (the GPU kernel reuses it across query sub-blocks); computed here otherwise.
+    masked: False for tiles the caller knows to be fully visible (see `full_block_stop`).
     """
     shape = (q_QxD.shape[0], k_KxD.shape[0])
     scores = lax.dot_general(
         q_QxD, k_KxD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
     logits = scores * rows.content
-    q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
-    k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    distance = k_pos - q_pos
     if config.prior_kind == "ggd":
         if ggd_unit_QxK is None:
             ggd_unit_QxK = ggd_unit(math_ops, head, k_start - q_start, shape)
         logits = logits - ggd_unit_QxK * rows.prior
     elif config.prior_kind == "alibi":
+        distance = _distance(k_start - q_start, shape)
         logits = logits - jnp.abs(distance).astype(jnp.float32) * rows.prior
-    visible = k_pos < config.kv_len
+    if not masked:
+        return logits
+    distance = _distance(k_start - q_start, shape)
+    visible = (k_start + lax.broadcasted_iota(jnp.int32, shape, 1)) < config.kv_len
     if config.causal:
         visible = visible & (distance <= 0)
     if config.window is not None:
@@ -228,6 +237,22 @@ def key_block_range(config: KernelConfig, q_start: jax.Array) -> tuple[jax.Array
     if config.window is not None:
         start = jnp.minimum(lax.div(jnp.maximum(q_start - config.window, 0), config.block_k), stop)
     return start, stop
+
+
+def full_block_stop(
+    config: KernelConfig, q_start: jax.Array, start: jax.Array, stop: jax.Array
+) -> jax.Array:
+    """End of the leading key blocks in [start, stop) that every query of the block sees.
+
+    Those tiles need no mask: all their keys are real, in the past and (without documents
+    or a window) visible. Documents and windows mask every tile.
+    """
+    if config.segments or config.window is not None:
+        return start
+    full = jnp.int32(config.kv_len // config.block_k)
+    if config.causal:
+        full = jnp.minimum(full, lax.div(q_start + 1, config.block_k))
+    return jnp.clip(full, start, stop)
 
 
 def load_head(load: Callable[[int], jax.Array]) -> HeadScalars:

@@ -22,6 +22,7 @@ from bam_jax.kernels.tile_math import (
     SoftmaxState,
     exact_math,
     finalize,
+    full_block_stop,
     init_state,
     key_block_range,
     load_head,
@@ -45,8 +46,7 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
         init = init_state(config.block_q, acc_ref.shape[1])
         acc_ref[...], max_ref[...], sum_ref[...] = init
 
-    @pl.when((k_block >= start) & (k_block < stop))
-    def _():
+    def update(masked: bool) -> None:
         math_ops = exact_math()
         head = load_head(lambda j: head_ref[h, j])
         rows = row_coefficients(config, head, None if log_n_ref is None else log_n_ref[...])
@@ -62,11 +62,17 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
             rows,
             None if q_seg_ref is None else q_seg_ref[...],
             None if k_seg_ref is None else k_seg_ref[...],
+            masked=masked,
         )
         carry = SoftmaxState(acc_ref[...], max_ref[...], sum_ref[...])
         acc_ref[...], max_ref[...], sum_ref[...] = online_update(
             math_ops, carry, logits, v_ref[...]
         )
+
+    # Tiles below the diagonal need no mask; the rest (diagonal, padding, documents) do.
+    full_stop = full_block_stop(config, q_start, start, stop)
+    pl.when((k_block >= start) & (k_block < full_stop))(lambda: update(masked=False))
+    pl.when((k_block >= full_stop) & (k_block < stop))(lambda: update(masked=True))
 
     @pl.when(k_block == config.num_k_blocks - 1)
     def _():
