@@ -21,6 +21,10 @@ from bam_jax.priors import (
     ggd_bias,
     init_ggd_prior,
 )
+from bam_jax.reference_checkpoint import (
+    export_reference_checkpoint,
+    load_reference_checkpoint,
+)
 
 __all__ = [
     "ENCODINGS",
@@ -41,10 +45,12 @@ __all__ = [
     "count_params",
     "decode_step",
     "dot_product_attention",
+    "export_reference_checkpoint",
     "generate",
     "ggd_bias",
     "init_cache",
     "init_ggd_prior",
+    "load_reference_checkpoint",
     "prefill",
     "reconfigure",
     "reference_attention",
