@@ -1,12 +1,14 @@
-"""Time and temporary memory of reference vs blockwise attention; prints a Markdown table.
+"""Time and temporary memory of reference vs blockwise attention; prints Markdown tables.
 
-    python bench/attention_bench.py                      # 1k, 4k, 16k, 32k
-    python bench/attention_bench.py --lengths 4096 --block-q 512 --block-k 1024
+    python bench/attention_bench.py                      # 1k, 4k, 16k, 32k tokens
+    python bench/attention_bench.py --lengths 4096 --block-q 512 --block-k 512
 
-Batch 1, 8 heads, head dim 64, float32, causal, on the default JAX backend. Times are
-medians of jit-compiled runs; memory is the compiled executable's temporary buffer
-size (deterministic; inputs and outputs excluded). The reference is skipped where its
-temporaries would exceed --reference-limit-gb.
+Batch 1, 8 heads, head dim 64, float32, causal, on the default JAX backend, for three
+configurations: no prior, the GGD prior, GGD + SSMax. Times are jit-compiled runs
+(compilation excluded): the median wall time, and the median process CPU time, which
+is steadier on a shared machine. Memory is the compiled executable's temporary
+buffer size (deterministic; arguments and results excluded). The reference is skipped
+where its temporaries would exceed --reference-limit-gb.
 """
 
 from __future__ import annotations
@@ -18,26 +20,26 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.priors import init_ggd_prior
 
 HEADS, HEAD_DIM = 8, 64
 CONFIGS = ("none", "ggd", "ggd+ssmax")
+IMPLEMENTATIONS = ("reference", "blockwise")
 
 
 def make_inputs(length: int) -> tuple:
-    keys = jax.random.split(jax.random.key(0), 4)
+    keys = jax.random.split(jax.random.key(0), 3)
     shape = (1, length, HEADS, HEAD_DIM)
-    q, k, v = (jax.random.normal(key, shape, jnp.float32) for key in keys[:3])
-    prior = init_ggd_prior(HEADS, alpha_init="slope", beta_init="linear", key=keys[3])
+    q, k, v = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+    prior = init_ggd_prior(HEADS, alpha_init="slope", beta_init="linear")
     prior = prior.replace(theta_mu_H=jnp.full((HEADS,), 0.1, jnp.float32))
     scale = jnp.ones((HEADS,), jnp.float32)
     return q, k, v, prior, scale
 
 
-def attention_fn(config: str, implementation: str, block_q: int, block_k: int) -> Callable:
+def forward_fn(config: str, implementation: str, block_q: int, block_k: int) -> Callable:
     def attend(q, k, v, prior, scale):
         return dot_product_attention(
             q,
@@ -60,95 +62,101 @@ def forward_backward_fn(attend: Callable) -> Callable:
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
 
 
-def compile_and_measure(fn: Callable, args: tuple, repeats: int) -> tuple[float, float]:
-    """Median seconds per call and temporary memory in MiB."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    temp_bytes = compiled.memory_analysis().temp_size_in_bytes
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def measure(compiled, args: tuple, repeats: int, warmup: bool) -> tuple[float, float]:
+    """Median wall and CPU seconds per call."""
+    if warmup:
         jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), temp_bytes / 2**20
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        jax.block_until_ready(compiled(*args))
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus)
 
 
-def reference_fits(fn: Callable, args: tuple, limit_bytes: float) -> bool:
-    compiled = jax.jit(fn).lower(*args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes <= limit_bytes
-
-
-def run(args: argparse.Namespace) -> list[dict]:
-    rows = []
-    for length in args.lengths:
-        inputs = make_inputs(length)
-        for config in args.configs:
-            for implementation in ("reference", "blockwise"):
-                forward = attention_fn(config, implementation, args.block_q, args.block_k)
-                both = forward_backward_fn(forward)
-                row = {"length": length, "config": config, "impl": implementation}
-                if implementation == "reference" and not reference_fits(
-                    both, inputs, args.reference_limit_gb * 2**30
-                ):
-                    rows.append(row)
-                    continue
-                row["fwd_s"], row["fwd_mb"] = compile_and_measure(forward, inputs, args.repeats)
-                row["bwd_s"], row["bwd_mb"] = compile_and_measure(both, inputs, args.repeats)
-                rows.append(row)
-                print(format_row(row), flush=True)
-    return rows
+def bench_one(length: int, config: str, implementation: str, args) -> dict:
+    inputs = make_inputs(length)
+    forward = forward_fn(config, implementation, args.block_q, args.block_k)
+    row = {"length": length, "config": config, "impl": implementation}
+    long_run = length >= (4096 if implementation == "reference" else 16384)
+    repeats = args.long_repeats if long_run else args.repeats
+    for name, fn in (("fwd", forward), ("both", forward_backward_fn(forward))):
+        compiled = jax.jit(fn).lower(*inputs).compile()
+        temp_mb = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        if implementation == "reference" and temp_mb > args.reference_limit_gb * 1024:
+            return row
+        row[f"{name}_mb"] = temp_mb
+        row[f"{name}_wall"], row[f"{name}_cpu"] = measure(compiled, inputs, repeats, not long_run)
+    return row
 
 
 def format_row(row: dict) -> str:
-    if "fwd_s" not in row:
-        cells = ["skipped (does not fit)"] + [""] * 3
-    else:
-        cells = [
-            f"{row['fwd_s'] * 1e3:.0f}",
-            f"{row['fwd_mb']:.1f}",
-            f"{row['bwd_s'] * 1e3:.0f}",
-            f"{row['bwd_mb']:.1f}",
-        ]
-    return "| " + " | ".join([str(row["length"]), row["config"], row["impl"], *cells]) + " |"
+    head = [str(row["length"]), row["config"], row["impl"]]
+    if "both_mb" not in row:
+        return "| " + " | ".join([*head, "does not fit", "", "", "", "", ""]) + " |"
+    cells = [
+        f"{row['fwd_wall'] * 1e3:.0f} / {row['fwd_cpu'] * 1e3:.0f}",
+        f"{row['fwd_mb']:.1f}",
+        f"{row['both_wall'] * 1e3:.0f} / {row['both_cpu'] * 1e3:.0f}",
+        f"{row['both_mb']:.1f}",
+    ]
+    qkv_mb = row["length"] * HEADS * HEAD_DIM * 4 / 2**20
+    return "| " + " | ".join([*head, *cells, f"{qkv_mb:.0f}"]) + " |"
 
 
-def print_table(rows: list[dict], args: argparse.Namespace) -> None:
-    print()
+def print_tables(rows: list[dict], args: argparse.Namespace) -> None:
     print(
-        f"Blockwise block_q={args.block_q} block_k={args.block_k}; "
-        f"{jax.devices()[0].platform}, batch 1, {HEADS} heads, head dim {HEAD_DIM}, float32"
+        f"\nblock_q={args.block_q} block_k={args.block_k}; {jax.devices()[0].platform}, "
+        f"batch 1, {HEADS} heads, head dim {HEAD_DIM}, float32, causal; "
+        "times as wall / CPU ms\n"
     )
-    print()
-    print("| tokens | prior | impl | fwd ms | fwd temp MB | fwd+bwd ms | fwd+bwd temp MB |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| tokens | prior | impl | fwd ms | fwd temp MB | fwd+bwd ms | fwd+bwd temp MB "
+        "| one of q/k/v MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(format_row(row))
-    by_key = {(r["length"], r["config"], r["impl"]): r for r in rows if "fwd_s" in r}
-    print()
-    print("| tokens | prior overhead fwd | prior overhead fwd+bwd | q/k/v/out size MB |")
-    print("|---|---|---|---|")
+    found = {(r["length"], r["config"], r["impl"]): r for r in rows if "both_mb" in r}
+    print("\nBlockwise prior overhead (CPU time, relative to the same call without a prior)\n")
+    print("| tokens | GGD fwd | GGD fwd+bwd | GGD+SSMax fwd | GGD+SSMax fwd+bwd |")
+    print("|---|---|---|---|---|")
     for length in args.lengths:
-        base = by_key.get((length, "none", "blockwise"))
-        ggd = by_key.get((length, "ggd", "blockwise"))
-        if base and ggd:
-            qkv_mb = length * HEADS * HEAD_DIM * 4 / 2**20
-            print(
-                f"| {length} | {ggd['fwd_s'] / base['fwd_s']:.2f}x | "
-                f"{ggd['bwd_s'] / base['bwd_s']:.2f}x | {qkv_mb:.0f} |"
-            )
+        base = found.get((length, "none", "blockwise"))
+        if base is None:
+            continue
+        cells = []
+        for config in ("ggd", "ggd+ssmax"):
+            row = found.get((length, config, "blockwise"))
+            for name in ("fwd", "both"):
+                cells.append(f"{row[f'{name}_cpu'] / base[f'{name}_cpu']:.2f}x" if row else "")
+        print(f"| {length} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    parser.add_argument("--block-q", type=int, default=512)
-    parser.add_argument("--block-k", type=int, default=512)
+    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS))
+    parser.add_argument("--block-q", type=int, default=256)
+    parser.add_argument("--block-k", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--long-repeats",
+        type=int,
+        default=1,
+        help="runs (no warm-up) for blockwise >= 16k tokens and reference >= 4k tokens",
+    )
     parser.add_argument("--reference-limit-gb", type=float, default=4.0)
     args = parser.parse_args()
-    np.set_printoptions(precision=3)
-    print_table(run(args), args)
+    rows = []
+    for length in args.lengths:
+        for config in args.configs:
+            for implementation in args.implementations:
+                rows.append(bench_one(length, config, implementation, args))
+                print(format_row(rows[-1]), flush=True)
+    print_tables(rows, args)
 
 
 if __name__ == "__main__":

@@ -256,6 +256,19 @@ def test_bfloat16_inputs_compute_in_float32() -> None:
         np.asarray(out_blk, np.float32), np.asarray(out_ref, np.float32), atol=2e-2
     )
 
+    def loss(q, k, v, implementation):
+        out = attend(q, k, v, implementation=implementation, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * inputs["cotangent"])
+
+    grads_blk = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "blockwise")
+    grads_ref = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "reference")
+    for g_blk, g_ref in zip(grads_blk, grads_ref, strict=True):
+        assert g_blk.dtype == jnp.bfloat16
+        scale = float(jnp.max(jnp.abs(g_ref.astype(jnp.float32))))
+        np.testing.assert_allclose(
+            np.asarray(g_blk, np.float32), np.asarray(g_ref, np.float32), atol=3e-2 * scale
+        )
+
 
 def test_queries_without_visible_keys_give_zero_output_and_gradient() -> None:
     case = Case(q_len=20, block_q=8, block_k=8, documents=True, ssmax=True, batch=1)
