@@ -245,23 +245,27 @@ def test_bfloat16_inputs_compute_in_float32() -> None:
     case = Case(q_len=40, block_q=16, block_k=16, theta_beta=0.5, ssmax=True)
     inputs = make_inputs(case)
     q, k, v = (inputs[n].astype(jnp.bfloat16) for n in ("q", "k", "v"))
-    kwargs = dict(prior=inputs["prior"], ssmax_scale_H=inputs["ssmax"], block_q=16, block_k=16)
-    attend = jax.jit(
-        dot_product_attention, static_argnames=("implementation", "block_q", "block_k")
-    )
-    out_blk = attend(q, k, v, implementation="blockwise", **kwargs)
-    out_ref = attend(q, k, v, implementation="reference", **kwargs)
+
+    def loss(q, k, v, implementation):
+        out = dot_product_attention(
+            q,
+            k,
+            v,
+            prior=inputs["prior"],
+            ssmax_scale_H=inputs["ssmax"],
+            implementation=implementation,
+            block_q=16,
+            block_k=16,
+        )
+        return jnp.sum(out.astype(jnp.float32) * inputs["cotangent"]), out
+
+    grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    (_, out_blk), grads_blk = grad_fn(q, k, v, "blockwise")
+    (_, out_ref), grads_ref = grad_fn(q, k, v, "reference")
     assert out_blk.dtype == jnp.bfloat16
     np.testing.assert_allclose(
         np.asarray(out_blk, np.float32), np.asarray(out_ref, np.float32), atol=2e-2
     )
-
-    def loss(q, k, v, implementation):
-        out = attend(q, k, v, implementation=implementation, **kwargs)
-        return jnp.sum(out.astype(jnp.float32) * inputs["cotangent"])
-
-    grads_blk = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "blockwise")
-    grads_ref = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "reference")
     for g_blk, g_ref in zip(grads_blk, grads_ref, strict=True):
         assert g_blk.dtype == jnp.bfloat16
         scale = float(jnp.max(jnp.abs(g_ref.astype(jnp.float32))))
