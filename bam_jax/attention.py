@@ -43,8 +43,8 @@ def dot_product_attention(
     causal: bool = True,
     window: int | None = None,
     implementation: Implementation = "reference",
-    block_q: int = 512,
-    block_k: int = 512,
+    block_q: int = 256,
+    block_k: int = 256,
 ) -> jax.Array:
     """Attention output [B, T, H, D] in the query's dtype.
 

@@ -85,8 +85,8 @@ class ModelConfig:
     local_window: int | None = None
     dtype: str = "float32"
     attention_impl: str = "blockwise"
-    block_q: int = 512
-    block_k: int = 512
+    block_q: int = 256
+    block_k: int = 256
     remat: bool = False
     scan_layers: bool = False
 
