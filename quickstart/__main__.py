@@ -1,0 +1,3 @@
+from quickstart.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""The quick start path: train -> checkpoint -> passkey sweep -> table and figures."""
+
+import json
+import os
+
+import pytest
+
+from quickstart.run import main, quickstart_config
+
+
+def _run(tmp_path, *extra: str) -> str:
+    out = str(tmp_path / "qs")
+    status = main(["--out", out, *extra])
+    assert status == 0
+    return out
+
+
+def _accuracies(out: str, name: str) -> dict[int, float]:
+    with open(os.path.join(out, name, "passkey.json"), encoding="utf-8") as f:
+        results = json.load(f)
+    (run,) = results["runs"].values()
+    return {int(length): entry["accuracy"] for length, entry in run["entries"].items()}
+
+
+def test_quickstart_config_is_the_headline_model():
+    cfg = quickstart_config()
+    assert cfg.model.encoding == "bam_ssmax"
+    assert cfg.data.source == "passkey"
+    assert quickstart_config("rope", steps=3).model.encoding == "rope"
+    assert quickstart_config("rope", steps=3).steps == 3
+
+
+def test_quickstart_smoke(tmp_path, capsys):
+    out = _run(tmp_path, "--steps", "2", "--multiples", "1,2", "--samples", "2")
+    printed = capsys.readouterr().out
+    assert "Passkey accuracy" in printed
+    train_length = quickstart_config().seq_len
+    assert set(_accuracies(out, "bam_ssmax")) == {train_length, 2 * train_length}
+    assert os.path.exists(os.path.join(out, "passkey_accuracy_equidistant.png"))
+    assert os.path.exists(os.path.join(out, "runs", "bam_ssmax", "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_quickstart_shortened_end_to_end(tmp_path, capsys):
+    out = _run(tmp_path, "--steps", "200", "--multiples", "1,4,16", "--samples", "4")
+    assert "Passkey accuracy" in capsys.readouterr().out
+    accuracies = _accuracies(out, "bam_ssmax")
+    assert len(accuracies) == 3
+    assert all(0.0 <= a <= 1.0 for a in accuracies.values())
+    assert os.path.exists(os.path.join(out, "bam_ssmax", "passkey_depth_equidistant.png"))
