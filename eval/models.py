@@ -18,6 +18,7 @@ from flax import nnx
 from bam_jax.config import ModelConfig
 from bam_jax.inference import init_cache
 from bam_jax.model import Transformer, reconfigure
+from bam_jax.pallas_attention import default_implementation
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
 from eval.chunked import ChunkedScorer
 
@@ -128,15 +129,16 @@ def resolve_tokenizer(models: list[EvalModel], requested: str | None) -> Tokeniz
 def for_inference(
     model: Transformer,
     *,
-    attention_impl: str = "blockwise",
+    attention_impl: str | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     dtype: str | None = None,
 ) -> Transformer:
-    """The same weights under an inference configuration: blockwise attention, unrolled
-    layers (the cache is then updated in place), no remat, optional blocks and dtype."""
+    """The same weights under an inference configuration: the platform's attention (the
+    fused Pallas kernel on GPU/TPU, blockwise elsewhere) unless given, unrolled layers (the
+    cache is then updated in place), no remat, optional blocks and dtype."""
     changes: dict[str, Any] = {
-        "attention_impl": attention_impl,
+        "attention_impl": attention_impl or default_implementation(),
         "remat": False,
         "scan_layers": False,
     }
