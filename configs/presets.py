@@ -2,8 +2,8 @@
 
 - tiny: a small bam_ssmax model on synthetic passkey data at context 128; trains on a laptop
   CPU in minutes.
-- quickstart: the `bam-quickstart` run: a wider tiny bam_ssmax model (dim 128, 8 heads) whose
-  prior starts with local and flat heads, trained to retrieve the passkey at context 128.
+- quickstart: the `bam-quickstart` run: the tiny bam_ssmax model with a prior that starts
+  with local and flat heads, trained longer (3000 steps of 32 prompts) at context 128.
 - micro: an even smaller model for tests and smoke runs (context 96).
 - anchor: the configuration of the performance anchor (dim 256, 4 layers, 8 heads,
   vocabulary 32768, context 256, batch 16).
@@ -58,8 +58,6 @@ def quickstart() -> TrainConfig:
         model=ModelConfig.preset(
             "tiny",
             encoding="bam_ssmax",
-            dim=128,
-            n_heads=8,
             max_seq_len=128,
             prior_alpha_init="slope",
             prior_beta_init="linear",
@@ -67,7 +65,7 @@ def quickstart() -> TrainConfig:
         ),
         data=DataConfig(source="passkey", tokenizer="mistral"),
         optim=OptimConfig(lr=3e-3, prior_lr=3e-2, ssmax_lr=1e-2, warmup_steps=20),
-        steps=2000,
+        steps=3000,
         batch_size=32,
         log_every=50,
         checkpoint_every=500,
