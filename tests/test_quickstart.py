@@ -31,6 +31,9 @@ def test_quickstart_config_is_the_headline_model():
 
 
 def test_quickstart_smoke(tmp_path, capsys):
+    stale = tmp_path / "qs" / "bam_ssmax" / "passkey.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"model": {}, "runs": {"old": {"settings": {}, "entries": {"1": {}}}}}')
     out = _run(tmp_path, "--steps", "2", "--multiples", "1,2", "--samples", "2")
     printed = capsys.readouterr().out
     assert "Passkey accuracy" in printed
