@@ -22,6 +22,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from bam_jax.priors import Prior
 
@@ -137,6 +138,64 @@ def ssmax_factor(ssmax_scale_H: jax.Array, visible_count: jax.Array) -> jax.Arra
     """s_h * log(n_i) in float32; rows with n_i = 0 get 0 (they are fully masked)."""
     log_n = jnp.log(jnp.maximum(visible_count, 1).astype(jnp.float32))
     return ssmax_scale_H.astype(jnp.float32) * log_n
+
+
+def visible_key_counts(
+    q_len: int,
+    kv_len: int,
+    query_offset: int | jax.Array,
+    query_segment_ids_BxT: jax.Array | None,
+    key_segment_ids_BxS: jax.Array | None,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+) -> jax.Array:
+    """int32 [B or 1, T]: how many keys each query may see (its n_i), without a T x S mask.
+
+    Keys of the query's document are located by a stable sort of the key segment ids and
+    a binary search, so arbitrary (even non-contiguous) segment ids are counted exactly.
+    """
+    q_pos_T = jnp.arange(q_len, dtype=jnp.int32) + jnp.asarray(query_offset, jnp.int32)
+    first_T = jnp.zeros_like(q_pos_T)
+    last_T = jnp.full_like(q_pos_T, kv_len - 1)
+    if causal:
+        last_T = jnp.minimum(last_T, q_pos_T)
+    if window is not None:
+        first_T = jnp.maximum(first_T, q_pos_T - window)
+        if not causal:
+            last_T = jnp.minimum(last_T, q_pos_T + window)
+    if query_segment_ids_BxT is None:
+        return jnp.maximum(last_T - first_T + 1, 0)[None]
+    count_le = jax.vmap(_segment_count_le)
+    last_BxT = jnp.broadcast_to(last_T, query_segment_ids_BxT.shape)
+    first_BxT = jnp.broadcast_to(first_T, query_segment_ids_BxT.shape)
+    counts = count_le(key_segment_ids_BxS, query_segment_ids_BxT, last_BxT) - count_le(
+        key_segment_ids_BxS, query_segment_ids_BxT, first_BxT - 1
+    )
+    counts = jnp.where(last_BxT >= first_BxT, counts, 0)
+    return jnp.where(query_segment_ids_BxT >= 0, counts, 0).astype(jnp.int32)
+
+
+def _segment_count_le(k_seg_S: jax.Array, q_seg_T: jax.Array, limit_T: jax.Array) -> jax.Array:
+    """Number of keys at positions <= limit_T whose segment id equals q_seg_T."""
+    kv_len = k_seg_S.shape[0]
+    order_S = jnp.argsort(k_seg_S, stable=True).astype(jnp.int32)
+    sorted_seg_S = k_seg_S[order_S]
+    start_T = jnp.searchsorted(sorted_seg_S, q_seg_T, side="left").astype(jnp.int32)
+    end_T = jnp.searchsorted(sorted_seg_S, q_seg_T, side="right").astype(jnp.int32)
+
+    def step(_, bounds):
+        low, high = bounds
+        active = low < high
+        mid = (low + high) // 2
+        go_right = order_S[jnp.clip(mid, 0, kv_len - 1)] <= limit_T
+        low = jnp.where(active & go_right, mid + 1, low)
+        high = jnp.where(active & ~go_right, mid, high)
+        return low, high
+
+    steps = max(1, math.ceil(math.log2(kv_len + 1)))
+    low, _ = lax.fori_loop(0, steps, step, (start_T, end_T))
+    return low - start_T
 
 
 def reference_attention(

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from bam_jax.attention import visible_key_counts
 from bam_jax.priors import Prior
 
 _NEG_INF = -jnp.inf
@@ -110,7 +111,10 @@ def blockwise_attention(
         k_seg = _pad_axis1(key_segment_ids_BxS.astype(jnp.int32), kv_pad, -1)
     log_n, scale_KxG = None, None
     if ssmax_scale_H is not None:
-        log_n = _log_visible_counts(static, q_len + q_pad, offset, q_seg, k_seg)
+        counts_BxT = visible_key_counts(
+            q_len + q_pad, kv_len, offset, q_seg, k_seg, causal=causal, window=window
+        )
+        log_n = jnp.log(jnp.maximum(counts_BxT, 1).astype(jnp.float32))
         scale_KxG = ssmax_scale_H.astype(jnp.float32).reshape(num_kv_heads, static.groups)
     bias_table = None
     if prior is not None:
@@ -325,55 +329,6 @@ def _tile_logits(
 
 def _slice_or_none(x: jax.Array | None, start, size: int, axis: int = 1) -> jax.Array | None:
     return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-
-
-# ----------------------------------------------------------------------------- counts
-
-
-def _log_visible_counts(static: _Static, q_len: int, offset, q_seg_BxT, k_seg_BxS) -> jax.Array:
-    """log(max(n_i, 1)) in float32, [B or 1, T]: n_i = keys query i may see."""
-    if q_seg_BxT is None:
-        counts_T = _closed_form_counts(static, q_len, offset)
-        return jnp.log(jnp.maximum(counts_T, 1).astype(jnp.float32))[None]
-    counts_BxT = _counted_visible(static, offset, q_seg_BxT, k_seg_BxS)
-    return jnp.log(jnp.maximum(counts_BxT, 1).astype(jnp.float32))
-
-
-def _closed_form_counts(static: _Static, q_len: int, offset) -> jax.Array:
-    pos_T = jnp.arange(q_len, dtype=jnp.int32) + offset
-    lo = pos_T - static.window if static.window is not None else jnp.zeros_like(pos_T)
-    if static.causal:
-        hi = pos_T
-    elif static.window is not None:
-        hi = pos_T + static.window
-    else:
-        hi = jnp.full_like(pos_T, static.kv_len - 1)
-    lo, hi = jnp.maximum(lo, 0), jnp.minimum(hi, static.kv_len - 1)
-    return jnp.maximum(hi - lo + 1, 0)
-
-
-def _counted_visible(static: _Static, offset, q_seg_BxT, k_seg_BxS) -> jax.Array:
-    """Blockwise count of visible keys per query (documents make it data dependent)."""
-    bq, bk = static.block_q, static.block_k
-    num_q_blocks, num_k_blocks = q_seg_BxT.shape[1] // bq, k_seg_BxS.shape[1] // bk
-
-    def query_block(qb, counts_BxT):
-        q_start = qb * bq
-        q_seg = lax.dynamic_slice_in_dim(q_seg_BxT, q_start, bq, axis=1)
-        q_pos = q_start + offset + jnp.arange(bq, dtype=jnp.int32)
-
-        def key_block(kb, counts_BxQ):
-            k_start = kb * bk
-            k_seg = lax.dynamic_slice_in_dim(k_seg_BxS, k_start, bk, axis=1)
-            k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
-            mask = _tile_mask(static, q_pos, k_pos, q_seg, k_seg)
-            return counts_BxQ + jnp.sum(mask, axis=-1, dtype=jnp.int32)
-
-        lo, hi = _key_block_range(static, q_start + offset, num_k_blocks)
-        counts = lax.fori_loop(lo, hi, key_block, jnp.zeros(q_seg.shape, jnp.int32))
-        return lax.dynamic_update_slice_in_dim(counts_BxT, counts, q_start, axis=1)
-
-    return lax.fori_loop(0, num_q_blocks, query_block, jnp.zeros(q_seg_BxT.shape, jnp.int32))
 
 
 # ----------------------------------------------------------------------------- passes

@@ -15,8 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bam_jax.attention import dot_product_attention, reference_attention, visibility_mask
-from bam_jax.pallas_attention import default_implementation, pallas_attention, visible_key_counts
+from bam_jax.attention import (
+    dot_product_attention,
+    reference_attention,
+    visibility_mask,
+    visible_key_counts,
+)
+from bam_jax.pallas_attention import default_implementation, pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
 
 BETAS = (1.7, 1.0, 0.5, 0.0, -0.6)
