@@ -16,6 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 GGD_EPS = 1e-5
+# |bias| saturates at 2 ** GGD_MAX_LOG2_MAGNITUDE. Past it float32 would reach inf (at d = mu
+# once theta_beta < -6), and inf * log(1) or inf - inf is NaN on a document's first token and
+# in every gradient. A saturated key's prior weight is exp(-2 ** 100) = 0 either way.
+GGD_MAX_LOG2_MAGNITUDE = 100.0
 
 
 class Prior(Protocol):
@@ -34,7 +38,8 @@ class GGDPrior:
     """Generalized Gaussian prior: bias_h(d) = -exp(a_h) * (|d - mu_h| + eps) ** b_h.
 
     mu_h = exp(theta_mu_h) - exp(-theta_mu_h). theta_beta is never clipped: zero or
-    negative shapes (priors that grow with distance) are legal.
+    negative shapes (priors that grow with distance) are legal. |bias| saturates at
+    2 ** GGD_MAX_LOG2_MAGNITUDE (where float32 would overflow), with zero gradient there.
     """
 
     theta_alpha_H: jax.Array
@@ -78,7 +83,12 @@ def ggd_bias(
     theta_mu = jnp.asarray(theta_mu_H, jnp.float32).reshape(expand)
     mu = jnp.exp(theta_mu) - jnp.exp(-theta_mu)
     d = jnp.asarray(distance, jnp.float32)[None]
-    return -jnp.exp(alpha) * jnp.power(_abs_zero_subgradient(d - mu) + GGD_EPS, beta)
+    gap = _abs_zero_subgradient(d - mu) + GGD_EPS
+    # Saturated entries take gap = 1 inside the power so that no inf reaches the gradient.
+    log2_magnitude = alpha * math.log2(math.e) + beta * jnp.log2(gap)
+    saturated = jax.lax.stop_gradient(log2_magnitude > GGD_MAX_LOG2_MAGNITUDE)
+    bias = -jnp.exp(alpha) * jnp.power(jnp.where(saturated, 1.0, gap), beta)
+    return jnp.where(saturated, -(2.0**GGD_MAX_LOG2_MAGNITUDE), bias)
 
 
 def _abs_zero_subgradient(x: jax.Array) -> jax.Array:

@@ -34,6 +34,7 @@ class Case:
     offset: int = 0
     prior: str | None = "ggd"  # "ggd", "alibi" or None
     theta_mu: float = 0.0
+    betas: tuple[float, ...] = BETAS
     documents: bool = False
     ssmax: bool = False
     prior_inside: bool = True
@@ -64,7 +65,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
         "k_seg": None,
     }
     if case.prior == "ggd":
-        betas = np.resize(np.asarray(BETAS, np.float32), case.heads)
+        betas = np.resize(np.asarray(case.betas, np.float32), case.heads)
         mus = np.full(case.heads, case.theta_mu, np.float32)
         mus[0] = 0.0
         inputs["prior"] = GGDPrior(
@@ -173,6 +174,9 @@ DEFAULT_VALUE_CASES = {
         q_len=7, offset=57, prior="alibi", ssmax=True, prior_inside=False
     ),
     "decode_single_query": Case(q_len=1, offset=63, kv_len=80, heads=5, kv_heads=1),
+    "saturated_prior_documents_ssmax_outside": Case(
+        q_len=40, betas=(-8.0, -30.0), documents=True, ssmax=True, prior_inside=False
+    ),
 }
 
 
@@ -187,6 +191,10 @@ def test_values_match_reference(name: str, backend: str) -> None:
         padding = np.asarray(inputs["q_seg"]) < 0
         assert padding.any()
         np.testing.assert_array_equal(np.asarray(out)[padding], 0.0)
+
+
+def test_gradients_with_saturated_prior_match_reference() -> None:
+    check_gradients(DEFAULT_VALUE_CASES["saturated_prior_documents_ssmax_outside"], "gpu")
 
 
 def test_gradients_match_reference() -> None:

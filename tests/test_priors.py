@@ -11,6 +11,7 @@ import pytest
 
 from bam_jax.priors import (
     GGD_EPS,
+    GGD_MAX_LOG2_MAGNITUDE,
     PRIOR_PRESETS,
     AlibiPrior,
     GGDPrior,
@@ -108,6 +109,26 @@ def test_eps_keeps_negative_beta_finite_in_float32(beta: float) -> None:
 
     for grad in jax.grad(total, argnums=(0, 1, 2))(*params):
         assert np.all(np.isfinite(np.asarray(grad)))
+
+
+@pytest.mark.parametrize("beta", [-8.0, -30.0])
+def test_bias_saturates_instead_of_overflowing(beta: float) -> None:
+    """eps ** beta overflows float32 once beta < -7.7; the bias saturates there instead,
+    keeps its exact value everywhere else, and no inf reaches the gradients."""
+    alpha = 0.3
+    params = (jnp.full((1,), alpha), jnp.full((1,), beta), jnp.zeros((1,)))
+    bias = np.asarray(ggd_bias(*params, DISTANCES))[0]
+    expected = -math.exp(alpha) * (np.abs(np.asarray(DISTANCES, np.float64)) + GGD_EPS) ** beta
+    saturated = np.abs(expected) >= 2.0**GGD_MAX_LOG2_MAGNITUDE
+    assert saturated.any() and not saturated.all()
+    np.testing.assert_array_equal(bias[saturated], -(2.0**GGD_MAX_LOG2_MAGNITUDE))
+    np.testing.assert_allclose(bias[~saturated], expected[~saturated], rtol=1e-6, atol=1e-30)
+
+    grads = jax.grad(lambda *p: jnp.sum(ggd_bias(*p, DISTANCES)), argnums=(0, 1))(*params)
+    for grad in grads:
+        assert np.all(np.isfinite(np.asarray(grad)))
+    per_distance = jax.jacobian(lambda b: ggd_bias(params[0], b, params[2], DISTANCES))(params[1])
+    np.testing.assert_array_equal(np.asarray(per_distance)[0, saturated, 0], 0.0)
 
 
 def test_theta_mu_gradient_is_zero_at_the_kink_and_analytic_elsewhere() -> None:

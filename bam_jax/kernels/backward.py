@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bam_jax.attention import visibility_mask
+from bam_jax.attention import visibility_mask, visible_key_counts
 from bam_jax.kernels.tile_math import AuxInputs, KernelConfig, pad_to, round_up
 
 BACKWARD_BLOCK = 512
@@ -56,6 +56,7 @@ class _Padded(NamedTuple):
     q_seg_BxT: jax.Array | None
     k_seg_BxS: jax.Array | None
     offset: jax.Array
+    single_key_BxT: jax.Array  # bool: the query sees exactly one key
 
 
 class _Accumulators(NamedTuple):
@@ -120,6 +121,15 @@ def attention_backward(
 def _pad_inputs(config, q, k, v, aux: AuxInputs, out, lse, d_out, q_pad: int, kv_pad: int):
     delta_BxHxT = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
     segments = config.segments
+    counts_BxT = visible_key_counts(
+        q.shape[1],
+        config.kv_len,
+        aux.offset_1[0],
+        aux.q_seg_BxT if segments else None,
+        aux.k_seg_BxS if segments else None,
+        causal=config.causal,
+        window=config.window,
+    )
     return _Padded(
         q=pad_to(q, 1, q_pad),
         k=pad_to(k, 1, kv_pad),
@@ -131,6 +141,7 @@ def _pad_inputs(config, q, k, v, aux: AuxInputs, out, lse, d_out, q_pad: int, kv
         q_seg_BxT=pad_to(aux.q_seg_BxT, 1, q_pad, -1) if segments else None,
         k_seg_BxS=pad_to(aux.k_seg_BxS, 1, kv_pad, -1) if segments else None,
         offset=aux.offset_1[0],
+        single_key_BxT=pad_to(counts_BxT == 1, 1, q_pad),
     )
 
 
@@ -175,7 +186,12 @@ def _tile_gradients(
         )
         & (k_pos < config.kv_len)[None, None, :]
     )
-    probs = jnp.where(mask[:, None], jnp.exp(logits - rows(padded.lse_BxHxT, 2)[..., None]), 0.0)
+    # A row's logits can be ~1e30 (GGD prior at d = mu with theta_beta < 0, not scaled by
+    # log(1) = 0). The forward kernel computed them with other rounding, so logits - lse is
+    # only accurate to ~1e23 there: clamp at p <= 1, and a query with one key gives it p = 1.
+    shifted = jnp.minimum(logits - rows(padded.lse_BxHxT, 2)[..., None], 0.0)
+    probs = jnp.where(rows(padded.single_key_BxT)[:, None, :, None], 1.0, jnp.exp(shifted))
+    probs = jnp.where(mask[:, None], probs, 0.0)
     probs_g = probs.reshape(batch, num_kv, config.groups, bq, bk)
     do_g = rows(padded.d_out).reshape(batch, bq, num_kv, config.groups, head_dim)
     do_g = do_g.astype(jnp.float32)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bam_jax.priors import GGD_EPS
+from bam_jax.priors import GGD_EPS, GGD_MAX_LOG2_MAGNITUDE
 
 Backend = Literal["gpu", "tpu"]
 LOG2_E = math.log2(math.e)
@@ -130,10 +130,12 @@ def _distance(relative_start: jax.Array, shape: tuple[int, int]) -> jax.Array:
 def ggd_unit(
     math_ops: MathOps, head: HeadScalars, relative_start: jax.Array, shape: tuple[int, int]
 ) -> jax.Array:
-    """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [Q, K]."""
+    """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [Q, K], saturating
+    where coef times it reaches 2 ** GGD_MAX_LOG2_MAGNITUDE, as `bam_jax.priors.ggd_bias`."""
     distance = _distance(relative_start, shape).astype(jnp.float32)
     gap = jnp.abs(distance - head.mu) + jnp.float32(GGD_EPS)
-    return math_ops.exp2(head.beta * math_ops.log2(gap))
+    limit = jnp.float32(GGD_MAX_LOG2_MAGNITUDE) - jnp.log2(head.coef)
+    return math_ops.exp2(jnp.minimum(head.beta * math_ops.log2(gap), limit))
 
 
 def tile_logits_log2(
