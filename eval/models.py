@@ -3,16 +3,20 @@
 A model argument is ``PATH``, ``NAME=PATH``, ``PATH@STEP`` or ``NAME=PATH@STEP``. A
 directory with ``args.json`` and ``model.pt`` / ``model.npz`` is a reference run (read
 by the importer); any other directory is a training workdir (its latest checkpoint, or
-STEP).
+STEP). Results are keyed by ``EvalModel.checkpoint``: the path, the step and a fingerprint
+of the parameter values, so a model retrained into the same folder is evaluated afresh.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bam_jax.config import ModelConfig
@@ -34,6 +38,10 @@ class EvalModel:
     config: ModelConfig
     model: Transformer
     tokenizer: str | None  # the tokenizer the checkpoint records, if any
+    fingerprint: str = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.fingerprint = parameter_fingerprint(self.model)
 
     @property
     def train_length(self) -> int:
@@ -41,7 +49,9 @@ class EvalModel:
 
     @property
     def checkpoint(self) -> str:
-        return self.path if self.step is None else f"{self.path}@{self.step}"
+        """PATH[@STEP]#FINGERPRINT: what the results of this model are keyed by."""
+        where = self.path if self.step is None else f"{self.path}@{self.step}"
+        return f"{where}#{self.fingerprint}"
 
     def info(self) -> dict[str, Any]:
         return {
@@ -53,6 +63,16 @@ class EvalModel:
             "train_length": self.train_length,
             "config": self.config.to_dict(),
         }
+
+
+def parameter_fingerprint(model: nnx.Module) -> str:
+    """First 12 hex digits of a SHA-256 over every variable's name, shape, dtype and bytes."""
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+        array = np.asarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)}:{array.shape}:{array.dtype};".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()[:12]
 
 
 def parse_model_arg(arg: str) -> tuple[str, str, int | None]:

@@ -60,23 +60,12 @@ def train_and_evaluate(
     for encoding in encodings:
         workdir = os.path.join(out, "runs", encoding)
         start = time.perf_counter()
-        fresh = not os.path.isdir(os.path.join(workdir, "checkpoints"))
         train(quickstart_config(encoding, steps).replace(progress_bar=False), workdir)
-        if fresh:
-            _forget_results(os.path.join(out, encoding))
         print(f"{encoding}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
         runs.append(f"{encoding}={workdir}")
     argv = ["passkey", *runs, "--multiples", multiples, "--samples", str(samples)]
     argv += ["--out", out, "--quiet"] + ([] if plots else ["--no-plots"])
     return eval_main(argv)
-
-
-def _forget_results(model_out: str) -> None:
-    """Drop results of an earlier model trained into the same folder: they are keyed by
-    checkpoint path and step, which a new run from scratch reuses."""
-    stale = os.path.join(model_out, "passkey.json")
-    if os.path.exists(stale):
-        os.remove(stale)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -60,6 +60,18 @@ def test_passkey_writes_results_and_figures_then_reuses(run_dir, tmp_path, capsy
     assert os.stat(results).st_mtime_ns == before  # nothing new computed or written
 
 
+def test_passkey_results_follow_the_weights_not_the_path(tmp_path, capsys) -> None:
+    config = ModelConfig.preset("micro", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
+    path, out = tmp_path / "run", tmp_path / "out"
+    argv = f"passkey m={path} --tokenizer byte --lengths 300 --samples 2 --out {out} --quiet"
+    for seed in (0, 1):  # a second model exported into the same folder
+        export_reference_checkpoint(random_model(config, seed=seed), config, path, fmt="npz")
+        assert main(argv.split()) == 0
+    runs = json.loads((out / "m" / "passkey.json").read_text())["runs"]
+    checkpoints = {run["settings"]["checkpoint"] for run in runs.values()}
+    assert len(checkpoints) == 2 and all(c.startswith(f"{path}#") for c in checkpoints)
+
+
 def test_perplexity_and_prior(run_dir, tmp_path, capsys) -> None:
     text = tmp_path / "doc.txt"
     text.write_text("The grass is green. The sky is blue. " * 40)

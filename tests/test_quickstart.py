@@ -16,9 +16,10 @@ def _run(tmp_path, *extra: str) -> str:
 
 
 def _accuracies(out: str, name: str) -> dict[int, float]:
+    """Accuracy per length of the run whose checkpoint carries a parameter fingerprint."""
     with open(os.path.join(out, name, "passkey.json"), encoding="utf-8") as f:
         results = json.load(f)
-    (run,) = results["runs"].values()
+    (run,) = [r for r in results["runs"].values() if "#" in r["settings"]["checkpoint"]]
     return {int(length): entry["accuracy"] for length, entry in run["entries"].items()}
 
 
@@ -31,14 +32,20 @@ def test_quickstart_config_is_the_headline_model():
 
 
 def test_quickstart_smoke(tmp_path, capsys):
+    # Results of an earlier model trained into the same folder, at the same step.
+    train_length = quickstart_config().seq_len
     stale = tmp_path / "qs" / "bam_ssmax" / "passkey.json"
     stale.parent.mkdir(parents=True)
-    stale.write_text('{"model": {}, "runs": {"old": {"settings": {}, "entries": {"1": {}}}}}')
+    old_key = str(tmp_path / "qs" / "runs" / "bam_ssmax") + "@2"
+    old_entry = {"accuracy": 7.0, "multiple": 1.0}
+    old_run = {"settings": {"checkpoint": old_key}, "entries": {str(train_length): old_entry}}
+    stale.write_text(json.dumps({"model": {}, "runs": {"old": old_run}}))
     out = _run(tmp_path, "--steps", "2", "--multiples", "1,2", "--samples", "2")
     printed = capsys.readouterr().out
     assert "Passkey accuracy" in printed
-    train_length = quickstart_config().seq_len
-    assert set(_accuracies(out, "bam_ssmax")) == {train_length, 2 * train_length}
+    accuracies = _accuracies(out, "bam_ssmax")
+    assert set(accuracies) == {train_length, 2 * train_length}
+    assert all(0.0 <= a <= 1.0 for a in accuracies.values())
     assert os.path.exists(os.path.join(out, "passkey_accuracy_equidistant.png"))
     assert os.path.exists(os.path.join(out, "runs", "bam_ssmax", "metrics.jsonl"))
 
