@@ -64,6 +64,24 @@ def test_passkey_rows_vary_and_are_deterministic(mistral):
     assert len(lengths) > 10 and len(needle_starts) > 3 and len(fillers) > 10
 
 
+def test_passkey_rows_without_the_task_sentence(mistral):
+    rows = PasskeyRows(DataConfig(passkey_task_fraction=0.5), mistral, SEQ, seed=0)
+    with_task, needle_first, lengths = 0, 0, []
+    for index in range(60):
+        row = rows[index]
+        text = mistral.decode(row["inputs"][row["segment_ids"] >= 0].tolist())
+        key = text.split("The pass key is ")[1].split(".")[0]
+        answer = mistral.decode(row["targets"][row["loss_positions"]].tolist())
+        assert answer == key[-passkey.PREDICTED_DIGITS :] and passkey.QUESTION in text
+        with_task += text.startswith(passkey.TASK)
+        needle_first += text.startswith("The pass key is")
+        lengths.append(int((row["segment_ids"] >= 0).sum()))
+    assert 15 <= with_task <= 45 and needle_first > 0
+    task_length = len(mistral.encode(passkey.TASK))
+    shortest_with_task = passkey.passkey_template(mistral).min_length
+    assert min(lengths) < shortest_with_task - task_length // 2 and max(lengths) <= SEQ
+
+
 def test_passkey_all_tokens_loss(mistral):
     row = PasskeyRows(DataConfig(passkey_loss="all"), mistral, SEQ, seed=0)[0]
     np.testing.assert_array_equal(row["loss_mask"] > 0, row["segment_ids"] >= 0)
@@ -182,6 +200,7 @@ class _IndexRows:
         ("source", "parquet", "data.source"),
         ("passkey_loss", "digits", "data.passkey_loss"),
         ("val_rows", -1, "data.val_rows"),
+        ("passkey_task_fraction", 1.5, r"data.passkey_task_fraction must be in \[0, 1\]"),
     ],
 )
 def test_bad_data_config_is_a_value_error(field, value, match):

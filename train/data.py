@@ -59,7 +59,9 @@ class DataConfig:
     Passkey: prompts are at least passkey_min_length tokens (0 = the template minimum) and at
     most the context; passkey_prefix_digits key digits are given before the five predicted;
     passkey_paper_filler_fraction of the prompts use the paper's filler, the rest random
-    filler sentences; passkey_loss "answer" trains the answer digits, "all" every token.
+    filler sentences; passkey_task_fraction of them open with the task sentence, the rest
+    start directly with filler or the needle (so needles also sit at a document's first
+    positions); passkey_loss "answer" trains the answer digits, "all" every token.
     num_threads/prefetch: grain read threads and prefetch buffer (0 threads = in the loop).
     """
 
@@ -74,6 +76,7 @@ class DataConfig:
     passkey_min_length: int = 0
     passkey_prefix_digits: int = 1
     passkey_paper_filler_fraction: float = 0.25
+    passkey_task_fraction: float = 1.0
     passkey_loss: str = "answer"
     num_threads: int = 0
     prefetch: int = 2
@@ -85,8 +88,9 @@ class DataConfig:
             raise ValueError(
                 f"data.passkey_loss must be one of {PASSKEY_LOSSES}, got {self.passkey_loss!r}"
             )
-        if not 0.0 <= self.passkey_paper_filler_fraction <= 1.0:
-            raise ValueError("data.passkey_paper_filler_fraction must be in [0, 1]")
+        for name in ("passkey_paper_filler_fraction", "passkey_task_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"data.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.val_rows < 0 or self.num_threads < 0 or self.prefetch < 0:
             raise ValueError("data.val_rows, data.num_threads and data.prefetch must be >= 0")
         if self.passkey_prefix_digits < 0:
@@ -127,6 +131,7 @@ class PasskeyRows:
         self.key_tokens = len(tokenizer.encode(f" {widest_key}"))
         self.max_prompt = seq_len + 1 - self.key_tokens
         template = passkey.passkey_template(tokenizer, prefix_digits=cfg.passkey_prefix_digits)
+        self.task_length = len(template.task)
         self.min_prompt = max(template.min_length, cfg.passkey_min_length)
         if self.min_prompt > self.max_prompt:
             raise ValueError(
@@ -143,16 +148,18 @@ class PasskeyRows:
         rng = np.random.default_rng([self.seed, int(index)])
         use_paper = rng.random() < self.cfg.passkey_paper_filler_fraction
         filler = passkey.FILLER if use_paper else varied_filler(rng)
-        target = int(rng.integers(self.min_prompt, self.max_prompt + 1))
+        fraction = self.cfg.passkey_task_fraction
+        skipped = 0 if fraction >= 1.0 or rng.random() < fraction else self.task_length
+        target = int(rng.integers(self.min_prompt - skipped, self.max_prompt + 1))
         sample = passkey.build_passkey_sample(
             self.tokenizer,
-            target,
+            target + skipped,
             key=passkey.random_key(rng, self.cfg.passkey_prefix_digits),
             depth=float(rng.random()),
             prefix_digits=self.cfg.passkey_prefix_digits,
             filler=filler,
         )
-        return self._row(sample.tokens, sample.answer_positions)
+        return self._row(sample.tokens[skipped:], sample.answer_positions - skipped)
 
     def _row(self, tokens: np.ndarray, answer_positions: np.ndarray) -> Row:
         n = len(tokens) - 1
