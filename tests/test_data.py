@@ -16,6 +16,7 @@ from train.data import (
     PasskeyRows,
     build_rows,
     local_batches,
+    loss_positions_per_row,
     train_iterator,
     val_batches,
 )
@@ -80,6 +81,23 @@ def test_passkey_rows_without_the_task_sentence(mistral):
     task_length = len(mistral.encode(passkey.TASK))
     shortest_with_task = passkey.passkey_template(mistral).min_length
     assert min(lengths) < shortest_with_task - task_length // 2 and max(lengths) <= SEQ
+
+
+def test_passkey_rows_with_language_model_positions(mistral):
+    cfg = DataConfig(passkey_lm_positions=12)
+    assert loss_positions_per_row(cfg) == passkey.PREDICTED_DIGITS + 12
+    plain = PasskeyRows(DataConfig(), mistral, SEQ, seed=0)
+    rows = PasskeyRows(cfg, mistral, SEQ, seed=0)
+    for index in range(10):
+        row = rows[index]
+        np.testing.assert_array_equal(row["inputs"], plain[index]["inputs"])
+        answer = plain[index]["loss_positions"]
+        lm, tail = row["loss_positions"][:12], row["loss_positions"][12:]
+        np.testing.assert_array_equal(tail, answer)
+        assert len(set(lm.tolist())) == 12 and lm.min() >= 0 and lm.max() < answer[0] - 1
+        assert row["loss_mask"].sum() == 12 + passkey.PREDICTED_DIGITS
+    with pytest.raises(ValueError, match=r"data\.passkey_lm_positions \(200\)"):
+        PasskeyRows(DataConfig(passkey_lm_positions=200), mistral, SEQ, seed=0)
 
 
 def test_passkey_all_tokens_loss(mistral):
@@ -201,6 +219,7 @@ class _IndexRows:
         ("passkey_loss", "digits", "data.passkey_loss"),
         ("val_rows", -1, "data.val_rows"),
         ("passkey_task_fraction", 1.5, r"data.passkey_task_fraction must be in \[0, 1\]"),
+        ("passkey_lm_positions", -1, "data.passkey_lm_positions must be >= 0"),
     ],
 )
 def test_bad_data_config_is_a_value_error(field, value, match):

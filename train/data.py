@@ -61,7 +61,9 @@ class DataConfig:
     passkey_paper_filler_fraction of the prompts use the paper's filler, the rest random
     filler sentences; passkey_task_fraction of them open with the task sentence, the rest
     start directly with filler or the needle (so needles also sit at a document's first
-    positions); passkey_loss "answer" trains the answer digits, "all" every token.
+    positions); passkey_loss "answer" trains the answer digits, "all" every token;
+    passkey_lm_positions (with "answer") adds that many random prompt positions per row,
+    trained on predicting their next token.
     num_threads/prefetch: grain read threads and prefetch buffer (0 threads = in the loop).
     """
 
@@ -77,6 +79,7 @@ class DataConfig:
     passkey_prefix_digits: int = 1
     passkey_paper_filler_fraction: float = 0.25
     passkey_task_fraction: float = 1.0
+    passkey_lm_positions: int = 0
     passkey_loss: str = "answer"
     num_threads: int = 0
     prefetch: int = 2
@@ -95,6 +98,10 @@ class DataConfig:
             raise ValueError("data.val_rows, data.num_threads and data.prefetch must be >= 0")
         if self.passkey_prefix_digits < 0:
             raise ValueError("data.passkey_prefix_digits must be >= 0")
+        if self.passkey_lm_positions < 0:
+            raise ValueError(
+                f"data.passkey_lm_positions must be >= 0, got {self.passkey_lm_positions}"
+            )
 
 
 def empty_row(seq_len: int) -> Row:
@@ -133,6 +140,12 @@ class PasskeyRows:
         template = passkey.passkey_template(tokenizer, prefix_digits=cfg.passkey_prefix_digits)
         self.task_length = len(template.task)
         self.min_prompt = max(template.min_length, cfg.passkey_min_length)
+        shortest = self.min_prompt - (0 if cfg.passkey_task_fraction >= 1.0 else self.task_length)
+        if cfg.passkey_lm_positions >= shortest:
+            raise ValueError(
+                f"data.passkey_lm_positions ({cfg.passkey_lm_positions}) must be below the "
+                f"shortest prompt's {shortest} tokens"
+            )
         if self.min_prompt > self.max_prompt:
             raise ValueError(
                 f"model.max_seq_len: a passkey prompt needs at least {template.min_length} "
@@ -159,9 +172,14 @@ class PasskeyRows:
             prefix_digits=self.cfg.passkey_prefix_digits,
             filler=filler,
         )
-        return self._row(sample.tokens[skipped:], sample.answer_positions - skipped)
+        tokens = sample.tokens[skipped:]
+        prompt_targets = sample.prompt_length - skipped - 1
+        lm = rng.choice(prompt_targets, self.cfg.passkey_lm_positions, replace=False)
+        return self._row(tokens, sample.answer_positions - skipped, np.sort(lm))
 
-    def _row(self, tokens: np.ndarray, answer_positions: np.ndarray) -> Row:
+    def _row(
+        self, tokens: np.ndarray, answer_positions: np.ndarray, lm_positions: np.ndarray
+    ) -> Row:
         n = len(tokens) - 1
         row = empty_row(self.seq_len)
         row["inputs"][:n] = tokens[:-1]
@@ -169,8 +187,9 @@ class PasskeyRows:
         row["segment_ids"][:n] = 0
         row["positions"][:n] = np.arange(n)
         if self.cfg.passkey_loss == "answer":
-            row["loss_mask"][answer_positions - 1] = 1.0
-            row["loss_positions"] = (answer_positions - 1).astype(np.int32)
+            trained = np.concatenate([lm_positions, answer_positions - 1]).astype(np.int32)
+            row["loss_mask"][trained] = 1.0
+            row["loss_positions"] = trained
         else:
             row["loss_mask"][:n] = 1.0
         return row
@@ -179,7 +198,7 @@ class PasskeyRows:
 def loss_positions_per_row(cfg: DataConfig) -> int | None:
     """K when every row carries `loss_positions` [K], else None."""
     if cfg.source == "passkey" and cfg.passkey_loss == "answer":
-        return passkey.PREDICTED_DIGITS
+        return passkey.PREDICTED_DIGITS + cfg.passkey_lm_positions
     return None
 
 
