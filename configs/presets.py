@@ -3,7 +3,10 @@
 - tiny: a small bam_ssmax model on synthetic passkey data at context 128; trains on a laptop
   CPU in minutes.
 - quickstart: the `bam-quickstart` run: the tiny bam_ssmax model with a prior that starts
-  with local and flat heads, trained longer (3000 steps of 32 prompts) at context 128.
+  with local and flat heads, trained longer (3000 steps of 32 prompts) at context 128, on
+  the answer digits plus 16 random prompt positions per row (next-token prediction).
+- quickstart_answer_loss: the same, trained on the answer digits only (the recipe of the
+  committed encoding comparison in results/compare/).
 - micro: an even smaller model for tests and smoke runs (context 96).
 - anchor: the configuration of the performance anchor (dim 256, 4 layers, 8 heads,
   vocabulary 32768, context 256, batch 16).
@@ -18,6 +21,7 @@ ConfigDict whose fields can be overridden with `--config.FIELD=VALUE`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from bam_jax.config import ModelConfig
@@ -52,7 +56,9 @@ def quickstart() -> TrainConfig:
 
     The prior starts with ALiBi slopes and shapes spread over [0, 1] (local and flat heads)
     and learns ten times faster than the weights, so local and retrieval heads separate
-    within the short run.
+    within the short run. Next-token loss on 16 random prompt positions per row, besides
+    the answer digits, makes the first layer's local heads read the preceding tokens in a
+    way that survives SSMax sharpening them far past the training length.
     """
     return TrainConfig(
         model=ModelConfig.preset(
@@ -63,7 +69,7 @@ def quickstart() -> TrainConfig:
             prior_beta_init="linear",
             attention_impl="reference",
         ),
-        data=DataConfig(source="passkey", tokenizer="mistral"),
+        data=DataConfig(source="passkey", tokenizer="mistral", passkey_lm_positions=16),
         optim=OptimConfig(lr=3e-3, prior_lr=3e-2, ssmax_lr=1e-2, warmup_steps=20),
         steps=3000,
         batch_size=32,
@@ -71,6 +77,11 @@ def quickstart() -> TrainConfig:
         checkpoint_every=500,
         progress_bar=True,
     )
+
+
+def quickstart_answer_loss() -> TrainConfig:
+    cfg = quickstart()
+    return cfg.replace(data=dataclasses.replace(cfg.data, passkey_lm_positions=0))
 
 
 def micro() -> TrainConfig:
@@ -142,6 +153,7 @@ def _paper_preset(size: str, context: int) -> Callable[[], TrainConfig]:
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
     "quickstart": quickstart,
+    "quickstart_answer_loss": quickstart_answer_loss,
     "micro": micro,
     "anchor": anchor,
     **{f"{s}_{c}": _paper_preset(s, c) for s in PAPER_SIZES for c in PAPER_CONTEXTS},

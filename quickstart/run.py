@@ -23,9 +23,11 @@ DEFAULT_MULTIPLES = "1,2,4,8,16,32,64,128,256,500"
 COMPARE_ENCODINGS = "nope,rope,alibi,bam,nope_ssmax,rope_ssmax,alibi_ssmax,bam_ssmax"
 
 
-def quickstart_config(encoding: str = "bam_ssmax", steps: int | None = None) -> TrainConfig:
-    """The `quickstart` preset with another encoding or step count."""
-    cfg = preset("quickstart")
+def quickstart_config(
+    encoding: str = "bam_ssmax", steps: int | None = None, preset_name: str = "quickstart"
+) -> TrainConfig:
+    """A preset (default `quickstart`) with another encoding or step count."""
+    cfg = preset(preset_name)
     cfg = cfg.replace(model=cfg.model.replace(encoding=encoding))
     return cfg if steps is None else cfg.replace(steps=steps)
 
@@ -38,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="bam_ssmax",
         help="comma-separated encodings, each trained and evaluated side by side "
         f"(compare: {COMPARE_ENCODINGS})",
+    )
+    parser.add_argument(
+        "--preset",
+        default="quickstart",
+        help="training preset of every run (configs/presets.py; e.g. quickstart_answer_loss)",
     )
     parser.add_argument("--steps", type=int, default=None, help="training steps")
     parser.add_argument("--multiples", default=DEFAULT_MULTIPLES, help="evaluation lengths")
@@ -54,13 +61,15 @@ def train_and_evaluate(
     multiples: str,
     samples: int,
     plots: bool = True,
+    preset_name: str = "quickstart",
 ) -> int:
     """Train one run per encoding (resuming finished ones), then evaluate them together."""
     runs = []
     for encoding in encodings:
         workdir = os.path.join(out, "runs", encoding)
         start = time.perf_counter()
-        train(quickstart_config(encoding, steps).replace(progress_bar=False), workdir)
+        cfg = quickstart_config(encoding, steps, preset_name)
+        train(cfg.replace(progress_bar=False), workdir)
         print(f"{encoding}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
         runs.append(f"{encoding}={workdir}")
     argv = ["passkey", *runs, "--multiples", multiples, "--samples", str(samples)]
@@ -78,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         multiples=args.multiples,
         samples=args.samples,
         plots=not args.no_plots,
+        preset_name=args.preset,
     )
     print(f"quick start finished in {time.perf_counter() - start:.0f} s")
     return status

@@ -29,6 +29,9 @@ def test_quickstart_config_is_the_headline_model():
     assert cfg.data.source == "passkey"
     assert quickstart_config("rope", steps=3).model.encoding == "rope"
     assert quickstart_config("rope", steps=3).steps == 3
+    assert cfg.data.passkey_lm_positions > 0
+    answer_only = quickstart_config("nope", preset_name="quickstart_answer_loss")
+    assert answer_only.data.passkey_lm_positions == 0 and answer_only.model.encoding == "nope"
 
 
 def test_quickstart_smoke(tmp_path, capsys):
