@@ -81,6 +81,11 @@ def test_passkey_rows_without_the_task_sentence(mistral):
     task_length = len(mistral.encode(passkey.TASK))
     shortest_with_task = passkey.passkey_template(mistral).min_length
     assert min(lengths) < shortest_with_task - task_length // 2 and max(lengths) <= SEQ
+    # passkey_min_length still bounds the target length when the task is left out.
+    floor = DataConfig(passkey_task_fraction=0.5, passkey_min_length=shortest_with_task)
+    rows = PasskeyRows(floor, mistral, SEQ, seed=0)
+    floored = [int((rows[i]["segment_ids"] >= 0).sum()) for i in range(60)]
+    assert min(floored) > shortest_with_task - task_length // 2
 
 
 def test_passkey_rows_with_language_model_positions(mistral):

@@ -140,7 +140,7 @@ class PasskeyRows:
         template = passkey.passkey_template(tokenizer, prefix_digits=cfg.passkey_prefix_digits)
         self.task_length = len(template.task)
         self.min_prompt = max(template.min_length, cfg.passkey_min_length)
-        shortest = self.min_prompt - (0 if cfg.passkey_task_fraction >= 1.0 else self.task_length)
+        shortest = self._shortest(0 if cfg.passkey_task_fraction >= 1.0 else self.task_length)
         if cfg.passkey_lm_positions >= shortest:
             raise ValueError(
                 f"data.passkey_lm_positions ({cfg.passkey_lm_positions}) must be below the "
@@ -163,7 +163,7 @@ class PasskeyRows:
         filler = passkey.FILLER if use_paper else varied_filler(rng)
         fraction = self.cfg.passkey_task_fraction
         skipped = 0 if fraction >= 1.0 or rng.random() < fraction else self.task_length
-        target = int(rng.integers(self.min_prompt - skipped, self.max_prompt + 1))
+        target = int(rng.integers(self._shortest(skipped), self.max_prompt + 1))
         sample = passkey.build_passkey_sample(
             self.tokenizer,
             target + skipped,
@@ -176,6 +176,10 @@ class PasskeyRows:
         prompt_targets = sample.prompt_length - skipped - 1
         lm = rng.choice(prompt_targets, self.cfg.passkey_lm_positions, replace=False)
         return self._row(tokens, sample.answer_positions - skipped, np.sort(lm))
+
+    def _shortest(self, skipped: int) -> int:
+        """Shortest prompt when the task sentence's `skipped` tokens are left out."""
+        return max(self.min_prompt - skipped, self.cfg.passkey_min_length)
 
     def _row(
         self, tokens: np.ndarray, answer_positions: np.ndarray, lm_positions: np.ndarray
