@@ -136,8 +136,12 @@ def visibility_mask(
 
 def ssmax_factor(ssmax_scale_H: jax.Array, visible_count: jax.Array) -> jax.Array:
     """s_h * log(n_i) in float32; rows with n_i = 0 get 0 (they are fully masked)."""
-    log_n = jnp.log(jnp.maximum(visible_count, 1).astype(jnp.float32))
-    return ssmax_scale_H.astype(jnp.float32) * log_n
+    return ssmax_scale_H.astype(jnp.float32) * log_visible_count(visible_count)
+
+
+def log_visible_count(visible_count: jax.Array) -> jax.Array:
+    """log(max(n_i, 1)) in float32: SSMax's length term (0 for rows with no visible key)."""
+    return jnp.log(jnp.maximum(visible_count, 1).astype(jnp.float32))
 
 
 def visible_key_counts(

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bam_jax.attention import visible_key_counts
+from bam_jax.attention import log_visible_count, visible_key_counts
 from bam_jax.priors import Prior
 
 _NEG_INF = -jnp.inf
@@ -114,7 +114,7 @@ def blockwise_attention(
         counts_BxT = visible_key_counts(
             q_len + q_pad, kv_len, offset, q_seg, k_seg, causal=causal, window=window
         )
-        log_n = jnp.log(jnp.maximum(counts_BxT, 1).astype(jnp.float32))
+        log_n = log_visible_count(counts_BxT)
         scale_KxG = ssmax_scale_H.astype(jnp.float32).reshape(num_kv_heads, static.groups)
     bias_table = None
     if prior is not None:

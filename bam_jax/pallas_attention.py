@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bam_jax.attention import visible_key_counts
+from bam_jax.attention import log_visible_count, visible_key_counts
 from bam_jax.kernels.backward import attention_backward
 from bam_jax.kernels.gpu import gpu_forward
 from bam_jax.kernels.tile_math import (
@@ -148,9 +148,7 @@ def pallas_attention(
             causal=causal,
             window=window,
         )
-        log_n_BxT = jnp.broadcast_to(
-            jnp.log(jnp.maximum(counts, 1).astype(jnp.float32)), (batch, q_len)
-        )
+        log_n_BxT = jnp.broadcast_to(log_visible_count(counts), (batch, q_len))
     aux = AuxInputs(log_n_BxT, query_segment_ids_BxT, key_segment_ids_BxS, offset)
     return _attention(config, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, prior, ssmax_scale_H, aux)
 
