@@ -25,6 +25,20 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 
+# Words of the varied filler paragraphs that training prompts use besides FILLER.
+FILLER_SENTENCE = "The {noun} is {adjective}."
+FILLER_NOUNS = ("grass", "sky", "sun", "sea", "road", "house", "tree", "river", "cloud", "stone")
+FILLER_ADJECTIVES = (
+    "green", "blue", "yellow", "red", "quiet", "tall", "old", "warm", "bright", "wide"
+)  # fmt: skip
+FILLER_PHRASES = (
+    "Here we go.",
+    "There and back again.",
+    "On we walk.",
+    "So it goes.",
+    "Look around.",
+)
+
 PREDICTED_DIGITS = 5
 SAMPLINGS = ("equidistant", "random", "beginning", "end")
 
@@ -135,6 +149,26 @@ def passkey_template(
         return _cached_template(tokenizer, prefix_digits, filler)
     except TypeError:
         return PasskeyTemplate.from_tokenizer(tokenizer, prefix_digits=prefix_digits, filler=filler)
+
+
+def vocabulary_texts() -> list[str]:
+    """Texts that together use every token of any passkey prompt: the paper's strings, a
+    needle and a key with each of the ten digits, and every varied filler sentence."""
+    keys = ("1234567890", "9876543210")
+    sentences = [
+        FILLER_SENTENCE.format(noun=noun, adjective=adjective)
+        for noun in FILLER_NOUNS
+        for adjective in FILLER_ADJECTIVES
+    ]
+    return [
+        TASK,
+        FILLER,
+        QUESTION,
+        *(NEEDLE.format(key=key) for key in keys),
+        *(f" {key}" for key in keys),
+        " ".join(sentences + list(FILLER_PHRASES)),
+        *FILLER_PHRASES,
+    ]
 
 
 def random_key(rng: np.random.Generator, prefix_digits: int = 1) -> int:

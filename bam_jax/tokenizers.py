@@ -4,6 +4,9 @@
   ships inside the `mistral-common` package, so no hub download is needed.
 - "byte": UTF-8 bytes shifted by three special ids (pad 0, BOS 1, EOS 2); vocabulary 259.
 - a path to a SentencePiece `.model` file or a Hugging Face `tokenizer.json` file.
+- "passkey:BASE" (e.g. "passkey:mistral"): BASE restricted to the tokens of the paper's
+  passkey strings (about 60 ids, renumbered from 0), for models that only ever read passkey
+  prompts: their embedding and output layers shrink from BASE's vocabulary to this one.
 
 `encode` never adds BOS/EOS; callers add them where a format asks for them.
 """
@@ -148,6 +151,52 @@ def _hf_special_ids(path: str, tok) -> tuple[int, int]:
     )
 
 
+class PasskeyVocabulary:
+    """A base tokeniser restricted to the ids that the passkey strings encode to.
+
+    Compact ids are BOS, EOS, then the base ids in increasing order. Encoding text that needs
+    any other base id is a ValueError, so the restriction never changes a prompt silently.
+    """
+
+    def __init__(self, base: Tokenizer):
+        self.base = base
+        self.name = f"passkey:{base.name}"
+        self.base_ids = (base.bos_id, base.eos_id, *sorted(_passkey_base_ids(base)))
+        self._compact = {base_id: i for i, base_id in enumerate(self.base_ids)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.base_ids)
+
+    @property
+    def bos_id(self) -> int:
+        return 0
+
+    @property
+    def eos_id(self) -> int:
+        return 1
+
+    def encode(self, text: str) -> list[int]:
+        base_ids = self.base.encode(text)
+        missing = sorted({i for i in base_ids if i not in self._compact})
+        if missing:
+            raise ValueError(
+                f"tokenizer {self.name!r} only knows the tokens of the passkey strings; "
+                f"{text[:60]!r} needs {self.base.name} ids {missing[:10]}"
+            )
+        return [self._compact[i] for i in base_ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.base.decode([self.base_ids[int(i)] for i in ids])
+
+
+def _passkey_base_ids(base: Tokenizer) -> set[int]:
+    from bam_jax.passkey import vocabulary_texts
+
+    ids = {i for text in vocabulary_texts() for i in base.encode(text)}
+    return ids - {base.bos_id, base.eos_id}
+
+
 def mistral_model_path() -> str:
     """Path of the Mistral-7B v0.3 SentencePiece model inside the installed mistral_common."""
     spec = importlib.util.find_spec("mistral_common")
@@ -161,7 +210,9 @@ def mistral_model_path() -> str:
 
 @functools.lru_cache(maxsize=16)
 def get_tokenizer(spec: str = "mistral") -> Tokenizer:
-    """A tokeniser from "mistral", "byte", or a path to a .model / tokenizer.json file."""
+    """A tokeniser from "mistral", "byte", "passkey:BASE" or a .model / tokenizer.json path."""
+    if spec.startswith("passkey:"):
+        return PasskeyVocabulary(get_tokenizer(spec.removeprefix("passkey:")))
     if spec == "mistral":
         return SentencePieceTokenizer(mistral_model_path(), name="mistral")
     if spec == "byte":
@@ -173,6 +224,7 @@ def get_tokenizer(spec: str = "mistral") -> Tokenizer:
     if os.path.isfile(spec):
         return SentencePieceTokenizer(spec)
     raise ValueError(
-        f"tokenizer: expected 'mistral', 'byte' or a path to a .model / tokenizer.json file, "
+        f"tokenizer: expected 'mistral', 'byte', 'passkey:BASE' or a path to a .model / "
+        f"tokenizer.json file, "
         f"got {spec!r}"
     )

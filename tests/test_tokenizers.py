@@ -4,7 +4,9 @@ import importlib.util
 
 import pytest
 
+from bam_jax.passkey import build_passkey_sample
 from bam_jax.tokenizers import ByteTokenizer, get_tokenizer, mistral_model_path
+from train.data import DataConfig, PasskeyRows
 
 TEXT = "The pass key is 12345. Remember it. Ünïcode too."
 
@@ -48,3 +50,25 @@ def test_tokenizer_json_by_path(tmp_path):
     tok = get_tokenizer(path)
     assert tok.encode("hello world") == [3, 4]
     assert (tok.bos_id, tok.eos_id) == (0, 1)
+
+
+def test_passkey_vocabulary_renumbers_the_passkey_tokens_of_its_base():
+    base, tok = get_tokenizer("mistral"), get_tokenizer("passkey:mistral")
+    assert tok.name == "passkey:mistral" and (tok.bos_id, tok.eos_id) == (0, 1)
+    assert 10 < tok.vocab_size < 128
+    sample = build_passkey_sample(tok, 600, key=908172, depth=0.3)
+    reference = build_passkey_sample(base, 600, key=908172, depth=0.3)
+    assert [tok.base_ids[i] for i in sample.tokens] == reference.tokens.tolist()
+    assert tok.decode(sample.tokens.tolist()) == base.decode(reference.tokens.tolist())
+    assert sample.tokens.max() < tok.vocab_size
+
+
+def test_passkey_vocabulary_covers_every_training_prompt():
+    tok = get_tokenizer("passkey:mistral")
+    rows = PasskeyRows(DataConfig(tokenizer=tok.name, passkey_task_fraction=0.5), tok, 160, 3)
+    assert max(int(rows[i]["inputs"].max()) for i in range(500)) < tok.vocab_size
+
+
+def test_passkey_vocabulary_refuses_other_text():
+    with pytest.raises(ValueError, match=r"passkey:mistral.*only knows"):
+        get_tokenizer("passkey:mistral").encode("Quantum chromodynamics")

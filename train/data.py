@@ -43,10 +43,6 @@ SOURCES = ("passkey", "text", "shards")
 PASSKEY_LOSSES = ("answer", "all")
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
-_NOUNS = ("grass", "sky", "sun", "sea", "road", "house", "tree", "river", "cloud", "stone")
-_ADJECTIVES = ("green", "blue", "yellow", "red", "quiet", "tall", "old", "warm", "bright", "wide")
-_PHRASES = ("Here we go.", "There and back again.", "On we walk.", "So it goes.", "Look around.")
-
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -122,10 +118,11 @@ def varied_filler(rng: np.random.Generator) -> str:
     sentences = []
     for _ in range(int(rng.integers(3, 7))):
         if rng.random() < 0.75:
-            noun, adj = rng.choice(_NOUNS), rng.choice(_ADJECTIVES)
-            sentences.append(f"The {noun} is {adj}.")
+            noun = rng.choice(passkey.FILLER_NOUNS)
+            adjective = rng.choice(passkey.FILLER_ADJECTIVES)
+            sentences.append(passkey.FILLER_SENTENCE.format(noun=noun, adjective=adjective))
         else:
-            sentences.append(str(rng.choice(_PHRASES)))
+            sentences.append(str(rng.choice(passkey.FILLER_PHRASES)))
     return " ".join(sentences)
 
 
