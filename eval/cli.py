@@ -67,7 +67,9 @@ def _positive_float(text: str) -> float:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("models", nargs="+", metavar="RUN", help="[NAME=]PATH[@STEP]")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (workdirs)")
-    parser.add_argument("--tokenizer", default=None, help="mistral, byte or a file path")
+    parser.add_argument(
+        "--tokenizer", default=None, help="mistral, byte, passkey:BASE or a file path"
+    )
     parser.add_argument("--out", default="eval_results", help="results and figures folder")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

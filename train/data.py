@@ -49,9 +49,10 @@ class DataConfig:
     """Where rows come from.
 
     source: "passkey" | "text" | "shards"; path: .txt/.jsonl file, directory or glob (text)
-    or a shard directory (shards); tokenizer: "mistral", "byte" or a file (passkey, text);
-    text_key: the .jsonl field; add_bos/add_eos: around each text document; shuffle: row
-    order (text, shards); val_rows: held-out rows at the start of the data (text, shards).
+    or a shard directory (shards); tokenizer: "mistral", "byte", "passkey:BASE" (BASE cut
+    down to the passkey strings' tokens) or a file (passkey, text); text_key: the .jsonl
+    field; add_bos/add_eos: around each text document; shuffle: row order (text, shards);
+    val_rows: held-out rows at the start of the data (text, shards).
     Passkey: prompts are at least passkey_min_length tokens (0 = the template minimum) and at
     most the context; passkey_prefix_digits key digits are given before the five predicted;
     passkey_paper_filler_fraction of the prompts use the paper's filler, the rest random
