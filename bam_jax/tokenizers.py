@@ -155,7 +155,8 @@ class PasskeyVocabulary:
     """A base tokeniser restricted to the ids that the passkey strings encode to.
 
     Compact ids are BOS, EOS, then the base ids in increasing order. Encoding text that needs
-    any other base id is a ValueError, so the restriction never changes a prompt silently.
+    any other base id is a ValueError, so the restriction never changes a prompt silently. A
+    model's vocabulary may be padded past `vocab_size`; those ids decode to U+FFFD.
     """
 
     def __init__(self, base: Tokenizer):
@@ -187,7 +188,15 @@ class PasskeyVocabulary:
         return [self._compact[i] for i in base_ids]
 
     def decode(self, ids: list[int]) -> str:
-        return self.base.decode([self.base_ids[int(i)] for i in ids])
+        """Text of ``ids``; an id past the vocabulary (a model's padding row) shows as U+FFFD."""
+        text, run = [], []
+        for i in map(int, ids):
+            if 0 <= i < self.vocab_size:
+                run.append(self.base_ids[i])
+                continue
+            text += [self.base.decode(run), "\ufffd"]
+            run = []
+        return "".join([*text, self.base.decode(run)])
 
 
 def _passkey_base_ids(base: Tokenizer) -> set[int]:

@@ -69,6 +69,12 @@ def test_passkey_vocabulary_covers_every_training_prompt():
     assert max(int(rows[i]["inputs"].max()) for i in range(500)) < tok.vocab_size
 
 
+def test_passkey_vocabulary_decodes_padding_ids_as_replacement_characters():
+    tok = get_tokenizer("passkey:mistral")
+    digits = tok.encode(" 42")
+    assert tok.decode([*digits, tok.vocab_size, *digits[-1:], 127]) == " 42\ufffd2\ufffd"
+
+
 def test_passkey_vocabulary_refuses_other_text():
     with pytest.raises(ValueError, match=r"passkey:mistral.*only knows"):
         get_tokenizer("passkey:mistral").encode("Quantum chromodynamics")
