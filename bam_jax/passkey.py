@@ -29,8 +29,17 @@ QUESTION = "What is the pass key? The pass key is"
 FILLER_SENTENCE = "The {noun} is {adjective}."
 FILLER_NOUNS = ("grass", "sky", "sun", "sea", "road", "house", "tree", "river", "cloud", "stone")
 FILLER_ADJECTIVES = (
-    "green", "blue", "yellow", "red", "quiet", "tall", "old", "warm", "bright", "wide"
-)  # fmt: skip
+    "green",
+    "blue",
+    "yellow",
+    "red",
+    "quiet",
+    "tall",
+    "old",
+    "warm",
+    "bright",
+    "wide",
+)
 FILLER_PHRASES = (
     "Here we go.",
     "There and back again.",

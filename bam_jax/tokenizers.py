@@ -5,7 +5,7 @@
 - "byte": UTF-8 bytes shifted by three special ids (pad 0, BOS 1, EOS 2); vocabulary 259.
 - a path to a SentencePiece `.model` file or a Hugging Face `tokenizer.json` file.
 - "passkey:BASE" (e.g. "passkey:mistral"): BASE restricted to the tokens of the paper's
-  passkey strings (about 60 ids, renumbered from 0), for models that only ever read passkey
+  passkey strings (79 ids for Mistral's, renumbered from 0), for models that only ever read passkey
   prompts: their embedding and output layers shrink from BASE's vocabulary to this one.
 
 `encode` never adds BOS/EOS; callers add them where a format asks for them.
@@ -234,6 +234,5 @@ def get_tokenizer(spec: str = "mistral") -> Tokenizer:
         return SentencePieceTokenizer(spec)
     raise ValueError(
         f"tokenizer: expected 'mistral', 'byte', 'passkey:BASE' or a path to a .model / "
-        f"tokenizer.json file, "
-        f"got {spec!r}"
+        f"tokenizer.json file, got {spec!r}"
     )
