@@ -6,9 +6,9 @@
   that starts with local and flat heads, trained longer (5000 steps of 32 prompts) at
   context 128, on the answer digits plus 16 random prompt positions per row (next-token
   prediction), with the passkey strings' share of the Mistral vocabulary.
-- quickstart_answer_loss: the recipe of the committed encoding comparison in
-  results/compare/: one prior shared by the layers, the full Mistral vocabulary, 3000 steps
-  on the answer digits only.
+- quickstart_answer_loss: the quick start's first recipe (the README's recipe table): one
+  prior shared by the layers, the full Mistral vocabulary, 3000 steps on the answer digits
+  only.
 - micro: an even smaller model for tests and smoke runs (context 96).
 - anchor: the configuration of the performance anchor (dim 256, 4 layers, 8 heads,
   vocabulary 32768, context 256, batch 16).
@@ -86,8 +86,8 @@ def quickstart() -> TrainConfig:
 
 
 def quickstart_answer_loss() -> TrainConfig:
-    """The recipe of the committed encoding comparison (results/compare/): one prior shared
-    by both layers, the full Mistral vocabulary, 3000 steps, loss on the answer digits only."""
+    """The quick start's first recipe (the README's recipe table): one prior shared by both
+    layers, the full Mistral vocabulary, 3000 steps, loss on the answer digits only."""
     cfg = quickstart()
     return cfg.replace(
         model=dataclasses.replace(cfg.model, vocab_size=32768, global_prior=True),
