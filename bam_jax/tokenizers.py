@@ -8,7 +8,11 @@
   passkey strings (79 ids for Mistral's, renumbered from 0), for models that only ever read passkey
   prompts: their embedding and output layers shrink from BASE's vocabulary to this one.
 
-`encode` never adds BOS/EOS; callers add them where a format asks for them.
+`encode` never adds BOS/EOS; callers add them where a format asks for them. Where data
+enters a model, `special_id` and `encode_checked` make sure every id lies in
+[0, vocab_size): the model reads an id past its vocabulary as a row of NaN and wraps a
+negative one (see `bam_jax.model.Transformer`). `decode` shows an id past the vocabulary (a
+padded output layer's row) as U+FFFD.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import functools
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 MISTRAL_V3_MODEL = "mistral_instruct_tokenizer_240323.model.v3"
 
@@ -68,7 +75,7 @@ class SentencePieceTokenizer:
         return list(self._sp.encode(text, out_type=int))
 
     def decode(self, ids: list[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
+        return decode_in_vocabulary(ids, self.vocab_size, self._sp.decode)
 
 
 class ByteTokenizer:
@@ -94,7 +101,10 @@ class ByteTokenizer:
         return [b + self.offset for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int]) -> str:
-        data = bytes(int(i) - self.offset for i in ids if int(i) >= self.offset)
+        return decode_in_vocabulary(ids, self.vocab_size, self._decode_bytes)
+
+    def _decode_bytes(self, ids: list[int]) -> str:
+        data = bytes(i - self.offset for i in ids if i >= self.offset)
         return data.decode("utf-8", errors="replace")
 
 
@@ -112,10 +122,13 @@ class HuggingFaceTokenizer:
         self._tok = HFTokenizer.from_file(path)
         self.name = path
         self._bos, self._eos = _hf_special_ids(path, self._tok)
+        # A vocabulary may skip ids, so its entry count is no bound on them.
+        self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @property
     def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
+        """One more than the largest id."""
+        return self._vocab_size
 
     @property
     def bos_id(self) -> int:
@@ -129,7 +142,10 @@ class HuggingFaceTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        return decode_in_vocabulary(ids, self.vocab_size, self._decode_known)
+
+    def _decode_known(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
 
 
 def _hf_special_ids(path: str, tok) -> tuple[int, int]:
@@ -162,7 +178,8 @@ class PasskeyVocabulary:
     def __init__(self, base: Tokenizer):
         self.base = base
         self.name = f"passkey:{base.name}"
-        self.base_ids = (base.bos_id, base.eos_id, *sorted(_passkey_base_ids(base)))
+        specials = (special_id(base, "bos"), special_id(base, "eos"))
+        self.base_ids = (*specials, *sorted(_passkey_base_ids(base)))
         self._compact = {base_id: i for i, base_id in enumerate(self.base_ids)}
 
     @property
@@ -188,15 +205,51 @@ class PasskeyVocabulary:
         return [self._compact[i] for i in base_ids]
 
     def decode(self, ids: list[int]) -> str:
-        """Text of ``ids``; an id past the vocabulary (a model's padding row) shows as U+FFFD."""
-        text, run = [], []
-        for i in map(int, ids):
-            if 0 <= i < self.vocab_size:
-                run.append(self.base_ids[i])
-                continue
-            text += [self.base.decode(run), "\ufffd"]
-            run = []
-        return "".join([*text, self.base.decode(run)])
+        return decode_in_vocabulary(ids, self.vocab_size, self._decode_compact)
+
+    def _decode_compact(self, ids: list[int]) -> str:
+        return self.base.decode([self.base_ids[i] for i in ids])
+
+
+def decode_in_vocabulary(
+    ids: list[int], vocab_size: int, decode_known: Callable[[list[int]], str]
+) -> str:
+    """`decode_known` over each run of ids in [0, vocab_size); any other id shows as U+FFFD."""
+    text, run = [], []
+    for i in map(int, ids):
+        if 0 <= i < vocab_size:
+            run.append(i)
+            continue
+        text += [decode_known(run) if run else "", "\ufffd"]
+        run = []
+    return "".join([*text, decode_known(run) if run else ""])
+
+
+def special_id(tokenizer: Tokenizer, kind: str, remedy: str = "") -> int:
+    """The tokenizer's "bos" or "eos" id, refused when it has none (-1) or it lies outside
+    the vocabulary; `remedy` ends the error (e.g. the option that drops the token)."""
+    token_id = int(getattr(tokenizer, f"{kind}_id"))
+    if not 0 <= token_id < tokenizer.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer.name!r} has no {kind.upper()} token ({kind}_id {token_id}, "
+            f"vocabulary [0, {tokenizer.vocab_size})); use a tokenizer that defines one"
+            + (f" {remedy}" if remedy else "")
+        )
+    return token_id
+
+
+def encode_checked(tokenizer: Tokenizer, text: str, where: str) -> np.ndarray:
+    """int64 ids of `text`, refused when one lies outside [0, vocab_size): the error names
+    the tokenizer, `where` the text came from (e.g. "FILE line N") and the first bad id."""
+    ids_N = np.asarray(tokenizer.encode(text), np.int64)
+    bad = np.flatnonzero((ids_N < 0) | (ids_N >= tokenizer.vocab_size))
+    if bad.size:
+        raise ValueError(
+            f"{where}: tokenizer {tokenizer.name!r} encoded the text to id {ids_N[bad[0]]} "
+            f"(token {bad[0]}), outside its vocabulary [0, {tokenizer.vocab_size}); the "
+            "tokenizer file is inconsistent, use another tokenizer"
+        )
+    return ids_N
 
 
 def _passkey_base_ids(base: Tokenizer) -> set[int]:

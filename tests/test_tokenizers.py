@@ -5,7 +5,12 @@ import importlib.util
 import pytest
 
 from bam_jax.passkey import build_passkey_sample
-from bam_jax.tokenizers import ByteTokenizer, get_tokenizer, mistral_model_path
+from bam_jax.tokenizers import (
+    ByteTokenizer,
+    PasskeyVocabulary,
+    get_tokenizer,
+    mistral_model_path,
+)
 from train.data import DataConfig, PasskeyRows
 
 TEXT = "The pass key is 12345. Remember it. Ünïcode too."
@@ -78,3 +83,36 @@ def test_passkey_vocabulary_decodes_padding_ids_as_replacement_characters():
 def test_passkey_vocabulary_refuses_other_text():
     with pytest.raises(ValueError, match=r"passkey:mistral.*only knows"):
         get_tokenizer("passkey:mistral").encode("Quantum chromodynamics")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
+def test_tokenizer_json_vocabulary_covers_ids_past_a_gap(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hello": 3, "world": 40}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = str(tmp_path / "tokenizer.json")
+    hf.save(path)
+    tok = get_tokenizer(path)
+    assert tok.encode("hello world") == [3, 40] and tok.vocab_size == 41
+    assert tok.decode([3, 41]) == "hello\ufffd"
+
+
+@pytest.mark.parametrize("spec", ["byte", "mistral"])
+def test_ids_past_the_vocabulary_decode_as_replacement_characters(spec):
+    tok = get_tokenizer(spec)
+    ids = tok.encode("ab")
+    assert tok.decode([*ids, tok.vocab_size, -1, *ids]) == "ab\ufffd\ufffdab"
+
+
+def test_passkey_vocabulary_needs_a_base_with_bos_and_eos():
+    class NoEosBytes(ByteTokenizer):
+        name = "no-eos-bytes"
+
+        @property
+        def eos_id(self) -> int:
+            return -1
+
+    with pytest.raises(ValueError, match=r"tokenizer 'no-eos-bytes' has no EOS token \(eos_id -1"):
+        PasskeyVocabulary(NoEosBytes())
