@@ -272,6 +272,16 @@ class Transformer(nnx.Module):
     chunk is written at cache.length; only its first `num_valid` tokens (default all)
     count towards the new length. `hidden_states` and `logits` split the forward pass
     before the output projection.
+
+    Token ids must lie in [0, vocab_size); the model does not check them, since a check of
+    traced values under jit would cost a host round trip per step. The embedding lookup
+    (`nnx.Embed`, i.e. `jnp.take` in its default "fill" mode; eager and jit alike) reads an
+    id >= vocab_size or < -vocab_size as a row of NaN, and the NaN then reaches every logit
+    of that sequence, earlier positions and other documents included (a masked attention
+    weight of 0 times NaN is NaN); other sequences of the batch are unaffected. An id in
+    [-vocab_size, -1] silently reads row vocab_size + id. The data readers and tokenizers
+    validate ids where data enters (`bam_jax.tokenizers.encode_checked`, the text and shard
+    readers of the trainer), so only ids built by hand reach the model unchecked.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None):

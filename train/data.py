@@ -30,13 +30,14 @@ import glob
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import grain
 import numpy as np
 
 from bam_jax import passkey
-from bam_jax.tokenizers import Tokenizer, get_tokenizer
+from bam_jax.tokenizers import Tokenizer, encode_checked, get_tokenizer, special_id
 
 Row = dict[str, np.ndarray]
 SOURCES = ("passkey", "text", "shards")
@@ -258,35 +259,102 @@ def text_files(path: str) -> list[str]:
     return files
 
 
-def iter_documents(files: Sequence[str], text_key: str = "text") -> Iterator[str]:
-    """One document per .txt file, one per .jsonl line (field `text_key`)."""
+class Document(NamedTuple):
+    """A document's text and where it came from ("FILE" or "FILE line N"), for errors."""
+
+    where: str
+    text: str
+
+
+def located_documents(files: Sequence[str], text_key: str = "text") -> Iterator[Document]:
+    """One document per .txt file, one per non-blank .jsonl line (field `text_key`).
+
+    A file that is not UTF-8, a line that is not a JSON object, or a record without a string
+    `text_key` field is a ValueError naming the file and line.
+    """
     for name in files:
-        with open(name, encoding="utf-8") as f:
-            if name.endswith(".txt"):
-                yield f.read()
-                continue
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if text_key not in record:
-                    raise ValueError(
-                        f"data.text_key: {name}:{line_no} has no field {text_key!r} "
-                        f"(fields: {sorted(record)})"
-                    )
-                yield record[text_key]
+        if name.endswith(".txt"):
+            with open(name, "rb") as f:
+                yield Document(name, _utf8(f.read(), name, first_line=1))
+            continue
+        with open(name, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                line = _utf8(raw, name, first_line=line_no)
+                if line.strip():
+                    where = f"{name} line {line_no}"
+                    yield Document(where, _record_text(line, where, text_key))
+
+
+def iter_documents(files: Sequence[str], text_key: str = "text") -> Iterator[str]:
+    """The texts of `located_documents`."""
+    return (doc.text for doc in located_documents(files, text_key))
+
+
+def _utf8(data: bytes, name: str, first_line: int) -> str:
+    """`data` (which starts at line `first_line` of file `name`) decoded, a BOM dropped."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = first_line + data.count(b"\n", 0, err.start)
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise ValueError(
+            f"{name} line {line}: not UTF-8 (byte 0x{data[err.start]:02x} at column "
+            f"{column}); save the file as UTF-8"
+        ) from None
+
+
+JSON_KINDS = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
+def _record_text(line: str, where: str, text_key: str) -> str:
+    try:
+        record = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{where}: not valid JSON at column {err.colno} ({err.msg.removesuffix(' at')}); "
+            "each line of a .jsonl file must be one JSON object"
+        ) from None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{where}: expected a JSON object with a {text_key!r} field, got "
+            f"{JSON_KINDS.get(type(record), 'a number')}"
+        )
+    if text_key not in record:
+        raise ValueError(
+            f"{where}: no field {text_key!r} (fields: {sorted(record)}); set data.text_key "
+            "(--text-key for train.shards) to the field that holds the text"
+        )
+    text = record[text_key]
+    if not isinstance(text, str):
+        raise ValueError(
+            f"{where}: field {text_key!r} is {JSON_KINDS.get(type(text), 'a number')}, "
+            "expected a string"
+        )
+    return text
 
 
 def tokenize_documents(
-    docs: Iterator[str], tokenizer: Tokenizer, *, add_bos: bool = True, add_eos: bool = True
+    docs: Iterable[Document], tokenizer: Tokenizer, *, add_bos: bool = True, add_eos: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated int32 tokens and the int64 start offset of every document."""
+    """Concatenated int32 tokens and the int64 start offset of every document.
+
+    Every id is in [0, tokenizer.vocab_size): a missing BOS/EOS or an id the tokenizer
+    produces outside its vocabulary is a ValueError naming the tokenizer (and the document).
+    """
+    bos = [special_id(tokenizer, "bos", "or set data.add_bos=False")] if add_bos else []
+    eos = [special_id(tokenizer, "eos", "or set data.add_eos=False")] if add_eos else []
+    bos_N, eos_N = np.asarray(bos, np.int64), np.asarray(eos, np.int64)
     pieces, starts, total = [], [], 0
-    for text in docs:
-        ids = ([tokenizer.bos_id] if add_bos else []) + tokenizer.encode(text)
-        ids += [tokenizer.eos_id] if add_eos else []
+    for doc in docs:
+        ids = np.concatenate([bos_N, encode_checked(tokenizer, doc.text, doc.where), eos_N])
         starts.append(total)
-        pieces.append(np.asarray(ids, np.int32))
+        pieces.append(ids.astype(np.int32))
         total += len(ids)
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
     return tokens, np.asarray(starts, np.int64)
@@ -324,7 +392,7 @@ def _stream_rows(cfg: DataConfig, seq_len: int) -> TokenStreamRows:
 
         return TokenStreamRows(open_shards(cfg.path), seq_len)
     tokenizer = get_tokenizer(cfg.tokenizer)
-    docs = iter_documents(text_files(cfg.path), cfg.text_key)
+    docs = located_documents(text_files(cfg.path), cfg.text_key)
     stream = tokenize_documents(docs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos)
     return TokenStreamRows([stream], seq_len)
 
