@@ -187,7 +187,8 @@ def write_shards(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         raise ValueError(
-            f"out: {out_dir!r} already holds shards (meta.json); write to a new directory"
+            f"{out_dir!r} already holds shards (meta.json), which are kept; write to a new "
+            "directory"
         )
     bos, eos = special_id(tokenizer, "bos"), special_id(tokenizer, "eos")
     os.makedirs(out_dir, exist_ok=True)
