@@ -7,7 +7,7 @@ import pytest
 
 from configs.presets import PAPER_SIZES, PRESETS, preset
 from train.cli import main, parse_args
-from train.config import MeshConfig, TrainConfig, validate_for_runtime
+from train.config import MeshConfig, OptimConfig, TrainConfig, validate_for_runtime
 from train.data import DataConfig
 
 PROG = "bam-train"
@@ -136,12 +136,52 @@ def test_bad_optimizer_value():
         parse_args([PROG, "--config=tiny", "--config.optim.b2=1.5"])
 
 
+@pytest.mark.parametrize("name", ["lr", "prior_lr", "ssmax_lr"])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1e39", r"must fit in float32 \(at most 3.4028235e\+38\), got 1e\+39"),
+        ("-1e39", r"must fit in float32 \(at most 3.4028235e\+38\), got -1e\+39"),
+        ("inf", r"must be a finite number, got inf"),
+        ("nan", r"must be a finite number, got nan"),
+        ("1e-50", r"must be > 0 in float32, got 1e-50, which rounds to 0"),
+        ("0", r"must be > 0, got 0.0"),
+        ("-3e-4", r"must be > 0, got -0.0003"),
+    ],
+)
+def test_learning_rates_must_be_positive_finite_float32(name, value, expected):
+    with pytest.raises(ValueError, match=rf"^optim.{name} {expected}$"):
+        parse_args([PROG, "--config=tiny", f"--config.optim.{name}={value}"])
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("eps", float("inf"), r"optim.eps must be a finite number, got inf"),
+        ("eps", 1e-46, r"optim.eps must be > 0 in float32, got 1e-46"),
+        ("weight_decay", float("nan"), r"optim.weight_decay must be a finite number, got nan"),
+        ("weight_decay", 1e39, r"optim.weight_decay must fit in float32"),
+        ("clip_norm", float("inf"), r"optim.clip_norm must be a finite number, got inf"),
+        ("clip_norm", -1.0, r"optim.clip_norm must be >= 0, got -1.0"),
+        ("warmup_steps", 1.5, r"optim.warmup_steps must be an int >= 0, got 1.5"),
+    ],
+)
+def test_other_optimizer_numbers_must_be_finite_float32(name, value, expected):
+    with pytest.raises(ValueError, match=rf"^{expected}"):
+        OptimConfig(**{name: value})
+
+
+def test_largest_float32_learning_rate_is_accepted():
+    assert OptimConfig(lr=3.4028234663852886e38, prior_lr=1e-45).lr > 0
+
+
 def test_unknown_field_in_a_json_config(tmp_path):
     js = tmp_path / "config.json"
     d = preset("tiny").to_dict()
     d["model"]["depth"] = 3
+    d["model"]["width"] = 3
     js.write_text(json.dumps(d))
-    with pytest.raises(ValueError, match=r"model: unknown fields \['depth'\]"):
+    with pytest.raises(ValueError, match=r"unknown fields 'model.depth', 'model.width'; valid"):
         parse_args([PROG, f"--config={js}"])
 
 

@@ -10,12 +10,19 @@ import dataclasses
 import glob
 import math
 import os
+import reprlib
+import types
+import typing
 from typing import Any
+
+import numpy as np
 
 from bam_jax.config import ModelConfig
 from train.data import DataConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_SEED = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,15 +44,12 @@ class OptimConfig:
 
     def __post_init__(self):
         for name in ("lr", "prior_lr", "ssmax_lr", "eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"optim.{name} must be > 0, got {getattr(self, name)}")
+            _check_positive_float32(f"optim.{name}", getattr(self, name))
+        for name in ("weight_decay", "clip_norm"):
+            _check_float32(f"optim.{name}", getattr(self, name), minimum=0.0)
         for name in ("b1", "b2", "final_lr_fraction"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"optim.{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.weight_decay < 0 or self.clip_norm < 0 or self.warmup_steps < 0:
-            raise ValueError(
-                "optim.weight_decay, optim.clip_norm and optim.warmup_steps must be >= 0"
-            )
+            _check_float32(f"optim.{name}", getattr(self, name), minimum=0.0, maximum=1.0)
+        _check_int("optim.warmup_steps", self.warmup_steps, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +61,13 @@ class MeshConfig:
     tensor: int = 1
 
     def __post_init__(self):
+        for axis, size in zip(MESH_AXES, self.sizes, strict=True):
+            if not _is_int(size) or size == 0 or size < -1:
+                raise ValueError(
+                    f"mesh.{axis} must be a positive int or -1 (the remaining devices), "
+                    f"got {size!r}"
+                )
         sizes = self.sizes
-        if any(s == 0 or s < -1 for s in sizes):
-            raise ValueError(f"mesh: axis sizes must be positive or -1, got {sizes}")
         if sizes.count(-1) > 1:
             raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
 
@@ -114,11 +122,15 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every", "checkpoint_every", "keep_last"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        for name in ("tokens_per_step", "eval_every", "keep_every", "profile_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("tokens_per_step", "eval_every", "eval_batches", "keep_every"):
+            _check_int(name, getattr(self, name), minimum=0)
+        _check_int("profile_steps", self.profile_steps, minimum=0)
+        _check_int("profile_start", self.profile_start, minimum=-1)
+        _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
+        for name in ("async_checkpoint", "progress_bar"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.eval_every and self.eval_batches < 1:
             raise ValueError(
                 f"eval_batches must be >= 1 when eval_every > 0, got {self.eval_batches}"
@@ -148,30 +160,122 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        d = dict(d)
-        sections = {
-            "model": ModelConfig,
-            "data": DataConfig,
-            "optim": OptimConfig,
-            "mesh": MeshConfig,
-        }
-        for name, kind in sections.items():
-            if name in d:
-                d[name] = _dataclass_from_dict(kind, d[name], name)
-        return _dataclass_from_dict(cls, d, "config")
+    def from_dict(cls, d: Any) -> TrainConfig:
+        """The config of a (nested) mapping such as a config.json; unknown keys, values of the
+        wrong type and bad values raise a ValueError naming the key path."""
+        return _dataclass_from_dict(cls, d, path="")
 
 
-def _dataclass_from_dict(kind: type, d: Any, where: str) -> Any:
+def _dataclass_from_dict(kind: type, d: Any, path: str) -> Any:
     if isinstance(d, kind):
         return d
     if not isinstance(d, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(d).__name__}")
-    known = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(d) - known)
+        raise ValueError(
+            f"config: {path or 'the config'} must be a mapping of field names to values, "
+            f"got {type(d).__name__} {reprlib.repr(d)}"
+        )
+    hints = typing.get_type_hints(kind)
+    unknown = sorted(set(d) - set(hints))
     if unknown:
-        raise ValueError(f"{where}: unknown fields {unknown}; expected some of {sorted(known)}")
-    return kind(**d)
+        names = ", ".join(f"'{_join(path, name)}'" for name in unknown)
+        raise ValueError(
+            f"config: unknown field{'s' if len(unknown) > 1 else ''} {names}; valid fields"
+            f"{f' of {path}' if path else ''}: {', '.join(sorted(hints))}"
+        )
+    values = {
+        name: _field_from_dict(hints[name], value, _join(path, name)) for name, value in d.items()
+    }
+    try:
+        return kind(**values)
+    except ValueError as err:
+        raise ValueError(_name_section(path, str(err), hints)) from None
+
+
+def _field_from_dict(annotation: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(annotation):
+        return _dataclass_from_dict(annotation, value, path)
+    if not _has_type(value, annotation):
+        raise ValueError(
+            f"config: {path} must be {describe_type(annotation)}, got {reprlib.repr(value)}"
+        )
+    return value
+
+
+def _has_type(value: Any, annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_has_type(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return _is_int(value)
+    if annotation is float:
+        return _is_number(value)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True
+
+
+def describe_type(annotation: Any) -> str:
+    """How an error message names the values a field accepts."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(describe_type(arg) for arg in typing.get_args(annotation))
+    names = {bool: "true or false", int: "an int", float: "a number", str: "a string"}
+    if annotation is type(None):
+        return "None"
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _name_section(path: str, message: str, hints: dict[str, Any]) -> str:
+    """A section's own error message with the section named: "dim must ..." becomes
+    "model.dim must ..."."""
+    if not path or message.startswith((f"{path}.", f"{path}:")):
+        return message
+    first_word = message.split(" ", 1)[0]
+    return f"{path}.{message}" if first_word in hints else f"{path}: {message}"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {bounds}, got {value!r}")
+
+
+def _check_float32(name: str, value: Any, minimum: float, maximum: float | None = None) -> None:
+    """A number in [minimum, maximum] that float32 holds as a finite number."""
+    _check_finite_float32(name, value)
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum:g}" if maximum is None else f"in [{minimum:g}, {maximum:g}]"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+
+
+def _check_positive_float32(name: str, value: Any) -> None:
+    """A number > 0 that float32 holds as a finite number, without rounding it to 0."""
+    _check_finite_float32(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if np.float32(value) == 0:
+        raise ValueError(f"{name} must be > 0 in float32, got {value!r}, which rounds to 0")
+
+
+def _check_finite_float32(name: str, value: Any) -> None:
+    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name} must fit in float32 (at most {FLOAT32_MAX:.8g}), got {value!r}")
 
 
 def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1) -> None:
