@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
+import traceback
 import types
 import typing
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 from absl import flags
 from ml_collections import ConfigDict, config_dict, config_flags
 
-from train.config import TrainConfig
+from train.config import TrainConfig, describe_type
 
 CONFIG_HELP = (
     "A preset name (tiny, micro, anchor, l6_512 ... l24_1024), a Python file with "
@@ -36,12 +38,11 @@ CONFIG_HELP = (
     "--config.FIELD=VALUE, e.g. --config.steps=1000 --config.model.encoding=rope "
     "--config.optim.lr=3e-4 --config.data.path=DIR."
 )
-
-
-def _presets_file() -> str:
-    import configs.presets
-
-    return configs.presets.__file__
+PY_CONFIG_RESULT = "train.cli.config_dict_from(TrainConfig(...))"
+# An override such as --config.model.dim=64, --config.steps 5 or --noconfig.progress_bar.
+OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]*)")
+# How absl reports a value it cannot parse: "flag --NAME=VALUE: REASON".
+BAD_OVERRIDE_VALUE = re.compile(r"^flag --config\.([\w.]+)=(.*?): ", re.DOTALL)
 
 
 def load_config(spec: str) -> TrainConfig:
@@ -51,14 +52,99 @@ def load_config(spec: str) -> TrainConfig:
     if spec in PRESETS:
         return preset(spec)
     if spec.endswith(".json"):
-        if not os.path.isfile(spec):
-            raise ValueError(f"config: file {spec!r} does not exist")
-        with open(spec, encoding="utf-8") as f:
-            return TrainConfig.from_dict(json.load(f))
+        return TrainConfig.from_dict(_read_json_config(spec))
+    if os.path.isdir(spec):
+        raise ValueError(
+            f"config: {spec!r} is a directory; pass a preset name, a .py file or a "
+            f"config.json (a run's is {os.path.join(spec, 'config.json')})"
+        )
     raise ValueError(
-        f"config: expected a preset name {sorted(PRESETS)}, a .py file or a .json file, "
-        f"got {spec!r}"
+        f"config: unknown preset {spec!r}; expected one of {sorted(PRESETS)}, "
+        "a .py file with get_config() or a .json file"
     )
+
+
+def load_config_dict(spec: str) -> ConfigDict:
+    """The ConfigDict of `--config=SPEC`: a preset name, a config.json, or a .py file with
+    get_config() (`FILE.py:ARG` calls get_config(ARG))."""
+    path, _, arg = spec.partition(":")
+    if path.endswith(".py"):
+        return _python_config(path, arg or None)
+    return config_dict_from(load_config(spec))
+
+
+def _read_json_config(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        raise ValueError(f"config: {path!r} is a directory, not a config.json file")
+    if not os.path.isfile(path):
+        raise ValueError(f"config: file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"config: {path} line {err.lineno} column {err.colno}: not valid JSON: {err.msg}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"config: cannot read {path}: {err}") from None
+    if not isinstance(d, dict):
+        raise ValueError(
+            f"config: {path} must hold a JSON object of config fields, got a JSON "
+            f"{type(d).__name__}"
+        )
+    return d
+
+
+def _python_config(path: str, arg: str | None) -> ConfigDict:
+    module = _run_config_file(path)
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
+        raise ValueError(
+            f"config: {path} defines no get_config(); define one returning {PY_CONFIG_RESULT}"
+        )
+    try:
+        config = get_config() if arg is None else get_config(arg)
+    except Exception as err:
+        raise _config_file_error(path, err) from None
+    if isinstance(config, TrainConfig):
+        return config_dict_from(config)
+    if isinstance(config, ConfigDict):
+        return config
+    raise ValueError(
+        f"config: {path}: get_config() returned {type(config).__name__}; expected "
+        f"{PY_CONFIG_RESULT} or a TrainConfig"
+    )
+
+
+def _run_config_file(path: str) -> types.ModuleType:
+    """The module of a config file, run; its errors name the file and line."""
+    if not os.path.isfile(path):
+        raise ValueError(f"config: file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            code = compile(f.read(), path, "exec")
+    except SyntaxError as err:
+        raise ValueError(
+            f"config: {path} line {err.lineno}: {type(err).__name__}: {err.msg}"
+        ) from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"config: cannot read {path}: {err}") from None
+    module = types.ModuleType("bam_train_config")
+    module.__file__ = path
+    # Dataclasses defined in the file look their module up in sys.modules.
+    sys.modules[module.__name__] = module
+    try:
+        exec(code, module.__dict__)
+    except Exception as err:
+        raise _config_file_error(path, err) from None
+    return module
+
+
+def _config_file_error(path: str, err: Exception) -> ValueError:
+    """`err`, raised by the code of config file `path`, as one line naming the file's line."""
+    lines = [f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == path]
+    where = f"{path} line {lines[-1]}" if lines else path
+    return ValueError(f"config: {where}: {type(err).__name__}: {err}")
 
 
 def _field_value(value: Any, annotation: Any) -> Any:
@@ -88,39 +174,89 @@ def to_train_config(cd: ConfigDict | TrainConfig) -> TrainConfig:
     return TrainConfig.from_dict(cd.to_dict())
 
 
-def _rewrite_config_flag(argv: list[str]) -> list[str]:
-    """`--config=NAME` or `--config=FILE.json` become the presets file with an argument;
-    `--dry-run` is accepted for `--dry_run`."""
-    out = []
-    for arg in argv:
-        if arg == "--dry-run":
-            arg = "--dry_run"
-        if arg.startswith("--config="):
-            value = arg.split("=", 1)[1]
-            if not value.split(":", 1)[0].endswith(".py"):
-                _check_config_spec(value)
-                arg = f"--config={_presets_file()}:{value}"
-        out.append(arg)
-    return out
-
-
-def _check_config_spec(spec: str) -> None:
-    from configs.presets import PRESETS
-
-    if spec.endswith(".json"):
-        load_config(spec)
-    elif spec not in PRESETS:
+def _split_config_spec(argv: list[str]) -> tuple[str, list[str]]:
+    """The value of `--config=SPEC` (or `--config SPEC`) and the other arguments, with
+    `--dry-run` accepted for `--dry_run`."""
+    specs, rest = [], []
+    args = iter(argv)
+    for arg in args:
+        if arg in ("--config", "-config"):
+            specs.append(next(args, ""))
+            if specs[-1].startswith("-") or not specs[-1]:
+                raise ValueError(f"--config needs a value: {CONFIG_HELP}")
+        elif arg.startswith(("--config=", "-config=")):
+            specs.append(arg.split("=", 1)[1])
+        else:
+            rest.append("--dry_run" if arg == "--dry-run" else arg)
+    if not specs:
+        raise ValueError(f"--config is required: {CONFIG_HELP}")
+    if len(specs) > 1:
         raise ValueError(
-            f"config: unknown preset {spec!r}; expected one of {sorted(PRESETS)}, "
-            "a .py file with get_config() or a .json file"
+            f"--config is given {len(specs)} times ({', '.join(specs)}); give it once and "
+            "change fields with --config.FIELD=VALUE"
         )
+    return specs[0], rest
 
 
-def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -> None:
-    """Define the flags; `argv` names the `--config.FIELD` overrides to accept."""
-    config_flags.DEFINE_config_file(
-        "config", None, CONFIG_HELP, flag_values=flag_values, lock_config=True, sys_argv=argv
+def field_type(path: str) -> Any:
+    """The declared type of config field `path` ("model.dim"); ValueError naming the first
+    part of the path that is not a field."""
+    kind: Any = TrainConfig
+    walked = ""
+    for name in path.split("."):
+        if not dataclasses.is_dataclass(kind):
+            raise ValueError(
+                f"config: unknown field {path!r}; {walked} is {describe_type(kind)}, not a "
+                "section with fields"
+            )
+        hints = typing.get_type_hints(kind)
+        section = f" of {walked}" if walked else ""
+        walked = f"{walked}.{name}" if walked else name
+        if name not in hints:
+            raise ValueError(
+                f"config: unknown field {walked!r}; valid fields{section}: "
+                f"{', '.join(sorted(hints))}"
+            )
+        kind = hints[name]
+    return kind
+
+
+def _check_override_paths(argv: list[str]) -> None:
+    for arg in argv:
+        match = OVERRIDE.match(arg)
+        if match:
+            field_type(match.group(1))
+
+
+def _bad_override_value(err: flags.IllegalFlagValueError) -> ValueError:
+    """absl's message for an override value of the wrong type, as one line naming the
+    field and the values it takes."""
+    match = BAD_OVERRIDE_VALUE.match(str(err))
+    if not match:
+        return ValueError(str(err).strip().splitlines()[0])
+    path, value = match.groups()
+    kind = field_type(path)
+    expected = (
+        f"a dict of its fields (or set one with --config.{path}.FIELD=VALUE)"
+        if dataclasses.is_dataclass(kind)
+        else describe_type(kind)
     )
+    return ValueError(f"config: {path} must be {expected}, got {value!r}")
+
+
+def define_flags(
+    flag_values: flags.FlagValues,
+    config: ConfigDict | None = None,
+    argv: list[str] | None = None,
+) -> None:
+    """Define the flags; `argv` names the `--config.FIELD` overrides of `config` to accept
+    (without a config, `--config` is only described, for --help)."""
+    if config is None:
+        flags.DEFINE_string("config", None, CONFIG_HELP, flag_values=flag_values)
+    else:
+        config_flags.DEFINE_config_dict(
+            "config", config, CONFIG_HELP, flag_values=flag_values, sys_argv=argv
+        )
     flags.DEFINE_string(
         "workdir", None, "Run directory: checkpoints, metrics, config.", flag_values=flag_values
     )
@@ -138,13 +274,13 @@ def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -
     )
     flags.DEFINE_integer(
         "num_processes",
-        int(os.environ.get("JAX_NUM_PROCESSES", "1")),
+        _environment_int("JAX_NUM_PROCESSES", 1),
         "Number of processes.",
         flag_values=flag_values,
     )
     flags.DEFINE_integer(
         "process_id",
-        int(os.environ.get("JAX_PROCESS_ID", "0")),
+        _environment_int("JAX_PROCESS_ID", 0),
         "This process's index.",
         flag_values=flag_values,
     )
@@ -157,21 +293,62 @@ def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -
     )
 
 
+def _environment_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an int, got {value!r}") from None
+
+
 def parse_args(argv: list[str]) -> tuple[TrainConfig, flags.FlagValues]:
     """Parse a full argv (program name first) into a validated config and the flags."""
-    argv = _rewrite_config_flag(argv)
+    argv = flags.FlagValues().read_flags_from_files(argv, force_gnu=False)
+    spec, argv = _split_config_spec(argv)
+    _check_override_paths(argv)
     flag_values = flags.FlagValues()
-    define_flags(flag_values, argv)
-    try:
-        flag_values(argv)
-    except (KeyError, AttributeError) as err:
-        raise ValueError(f"config: unknown field {err}") from None
-    except flags.IllegalFlagValueError as err:
-        lines = str(err).strip().splitlines()
-        raise ValueError(lines[-1] if "Traceback" in str(err) else lines[0]) from None
-    if flag_values.config is None:
-        raise ValueError(f"--config is required: {CONFIG_HELP}")
+    define_flags(flag_values, load_config_dict(spec), argv)
+    extra = _parse_flags(flag_values, argv)[1:]
+    if extra:
+        raise ValueError(
+            f"unexpected argument {extra[0]!r}; flags take the form --NAME=VALUE "
+            "(bam-train --help lists them)"
+        )
+    _check_process_flags(flag_values)
     return to_train_config(flag_values.config), flag_values
+
+
+def _parse_flags(flag_values: flags.FlagValues, argv: list[str]) -> list[str]:
+    """absl's parse, its errors as one line naming the flag; the positional arguments."""
+    try:
+        return flag_values(argv)
+    except flags.IllegalFlagValueError as err:
+        raise _bad_override_value(err) from None
+    except flags.UnrecognizedFlagError as err:
+        raise ValueError(_unknown_flag_message(err.flagname)) from None
+    except (KeyError, AttributeError) as err:
+        message = str(err.args[0] if err.args else err).splitlines()[0].strip("'\"")
+        raise ValueError(f"config: cannot override {message}") from None
+
+
+def _unknown_flag_message(name: str) -> str:
+    try:
+        field_type(name)
+    except ValueError:
+        return f"unknown flag --{name} (bam-train --help lists them)"
+    return f"unknown flag --{name}; to set the config field, use --config.{name}=VALUE"
+
+
+def _check_process_flags(flag_values: flags.FlagValues) -> None:
+    n, i = flag_values.num_processes, flag_values.process_id
+    if n < 1:
+        raise ValueError(f"--num_processes must be >= 1, got {n}")
+    if not 0 <= i < n:
+        raise ValueError(f"--process_id must be in [0, {n - 1}] for {n} processes, got {i}")
+    if n > 1 and not flag_values.coordinator:
+        raise ValueError(
+            "--coordinator=HOST:PORT (process 0's address) is required with --num_processes > 1"
+        )
 
 
 def initialize_distributed(flag_values: flags.FlagValues) -> None:
@@ -189,7 +366,11 @@ def initialize_distributed(flag_values: flags.FlagValues) -> None:
 
 
 def run(argv: list[str]) -> int:
+    """`bam-train` with a full argv; the exit status (2: a bad flag or config)."""
     try:
+        if any(a in ("--help", "-h", "--helpshort", "--helpfull") for a in argv[1:]):
+            print(_help())
+            return 0
         cfg, flag_values = parse_args(argv)
     except (ValueError, flags.Error) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -218,12 +399,11 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def _help() -> str:
+    flag_values = flags.FlagValues()
+    define_flags(flag_values)
+    return f"{__doc__}\n{flag_values.get_help()}"
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv if argv is None else argv
-    if any(a in ("--help", "-h", "--helpshort", "--helpfull") for a in argv[1:]):
-        flag_values = flags.FlagValues()
-        define_flags(flag_values)
-        print(__doc__)
-        print(flag_values.get_help())
-        sys.exit(0)
-    sys.exit(run(argv))
+    sys.exit(run(sys.argv if argv is None else argv))
