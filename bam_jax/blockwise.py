@@ -34,7 +34,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bam_jax.attention import log_visible_count, visible_key_counts
+from bam_jax.attention import (
+    check_attention_inputs,
+    has_no_queries_or_keys,
+    log_visible_count,
+    visible_key_counts,
+)
 from bam_jax.priors import Prior
 
 _NEG_INF = -jnp.inf
@@ -83,8 +88,21 @@ def blockwise_attention(
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if window is not None and (not isinstance(window, int) or window < 0):
-        raise ValueError(f"window must be None or an int >= 0, got {window!r}")
+    check_attention_inputs(
+        query_BxTxHxD,
+        key_BxSxKxD,
+        value_BxSxKxD,
+        prior=prior,
+        ssmax_scale_H=ssmax_scale_H,
+        ssmax_prior_inside=ssmax_prior_inside,
+        query_segment_ids_BxT=query_segment_ids_BxT,
+        key_segment_ids_BxS=key_segment_ids_BxS,
+        query_offset=query_offset,
+        causal=causal,
+        window=window,
+    )
+    if has_no_queries_or_keys(query_BxTxHxD, key_BxSxKxD):
+        return jnp.zeros(query_BxTxHxD.shape, query_BxTxHxD.dtype)
     q_len, num_heads = query_BxTxHxD.shape[1], query_BxTxHxD.shape[2]
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
     bq, bk = min(block_q, q_len), min(block_k, kv_len)
