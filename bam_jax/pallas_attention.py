@@ -33,7 +33,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bam_jax.attention import log_visible_count, visible_key_counts
+from bam_jax.attention import (
+    check_attention_inputs,
+    has_no_queries_or_keys,
+    log_visible_count,
+    visible_key_counts,
+)
 from bam_jax.kernels.backward import attention_backward
 from bam_jax.kernels.gpu import gpu_forward
 from bam_jax.kernels.tile_math import (
@@ -94,23 +99,23 @@ def pallas_attention(
         and reuse it for the next query sub-block (see `_kernel`).
     num_warps, num_stages: Triton launch parameters (None = defaults by head dim).
     """
-    if query_BxTxHxD.ndim != 4 or key_BxSxKxD.ndim != 4 or value_BxSxKxD.ndim != 4:
-        raise ValueError(
-            "query, key and value must be [batch, length, heads, head_dim]; got "
-            f"{query_BxTxHxD.shape}, {key_BxSxKxD.shape}, {value_BxSxKxD.shape}"
-        )
-    if key_BxSxKxD.shape != value_BxSxKxD.shape:
-        raise ValueError(f"key {key_BxSxKxD.shape} and value {value_BxSxKxD.shape} differ")
-    if (query_segment_ids_BxT is None) != (key_segment_ids_BxS is None):
-        raise ValueError("query_segment_ids_BxT and key_segment_ids_BxS must be given together")
-    if window is not None and window < 0:
-        raise ValueError(f"window must be None or >= 0, got {window}")
-    if isinstance(query_offset, int) and query_offset < 0:
-        raise ValueError(f"query_offset must be >= 0, got {query_offset}")
+    check_attention_inputs(
+        query_BxTxHxD,
+        key_BxSxKxD,
+        value_BxSxKxD,
+        prior=prior,
+        ssmax_scale_H=ssmax_scale_H,
+        ssmax_prior_inside=ssmax_prior_inside,
+        query_segment_ids_BxT=query_segment_ids_BxT,
+        key_segment_ids_BxS=key_segment_ids_BxS,
+        query_offset=query_offset,
+        causal=causal,
+        window=window,
+    )
+    if has_no_queries_or_keys(query_BxTxHxD, key_BxSxKxD):
+        return jnp.zeros(query_BxTxHxD.shape, query_BxTxHxD.dtype)
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads")
     backend = _resolve_backend(backend)
     block_q, block_k = _choose_blocks(backend, interpret, q_len, kv_len, block_q, block_k)
     config = KernelConfig(
@@ -134,8 +139,6 @@ def pallas_attention(
     )
     if prior_reuse and backend == "gpu" and config.prior_kind == "ggd":
         config = dataclasses.replace(config, q_splits=_reuse_splits(block_q, block_k))
-    if ssmax_scale_H is not None and ssmax_scale_H.shape != (num_heads,):
-        raise ValueError(f"ssmax_scale_H must have shape ({num_heads},), got {ssmax_scale_H.shape}")
     offset = jnp.asarray(query_offset, jnp.int32).reshape(1)
     log_n_BxT = None
     if config.ssmax:

@@ -249,6 +249,23 @@ def test_bad_arguments_raise() -> None:
         run_kernel(case, "gpu", inputs, ssmax_scale_H=jnp.ones((3,)))
     with pytest.raises(ValueError, match="query_offset"):
         run_kernel(case, "gpu", inputs, query_offset=-1)
+    batch, keys = inputs["k"].shape[:2]
+    with pytest.raises(TypeError, match="query_segment_ids_BxT"):
+        run_kernel(
+            case,
+            "gpu",
+            inputs,
+            query_segment_ids_BxT=jnp.zeros((batch, 8), jnp.float32),
+            key_segment_ids_BxS=jnp.zeros((batch, keys), jnp.int32),
+        )
+    with pytest.raises(ValueError, match="key_segment_ids_BxS"):
+        run_kernel(
+            case,
+            "gpu",
+            inputs,
+            query_segment_ids_BxT=jnp.zeros((batch, 8), jnp.int32),
+            key_segment_ids_BxS=jnp.zeros((1, keys), jnp.int32),
+        )
 
     class OtherPrior:
         num_heads = 4
@@ -258,6 +275,15 @@ def test_bad_arguments_raise() -> None:
 
     with pytest.raises(NotImplementedError, match="GGDPrior"):
         run_kernel(case, "gpu", inputs, prior=OtherPrior())
+
+
+def test_no_queries_or_no_keys_give_zeros() -> None:
+    q = jnp.ones((2, 8, 4, 16))
+    for q_len, kv_len in ((0, 8), (8, 0)):
+        k = v = jnp.ones((2, kv_len, 2, 16))
+        out = pallas_attention(q[:, :q_len], k, v, backend="gpu", interpret=True)
+        assert out.shape == (2, q_len, 4, 16)
+        np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 
 def test_dispatch_and_default_implementation() -> None:
