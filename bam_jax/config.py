@@ -21,6 +21,7 @@ ENCODINGS = (
 )
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLEMENTATIONS = ("reference", "blockwise", "pallas")
+FLOAT32_MAX = 3.4028234663852886e38
 ALPHA_INIT_MODES = ("slope", "sampled")
 BETA_INIT_MODES = ("linear", "sampled")
 
@@ -101,8 +102,8 @@ class ModelConfig:
             _check_positive_int("local_window", self.local_window)
         for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta", "sinusoidal_theta"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            if not _is_float32_number(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive finite float32 number, got {value!r}")
         if self.encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {ENCODINGS}, got {self.encoding!r}")
         if self.dim % self.n_heads:
@@ -124,8 +125,10 @@ class ModelConfig:
             )
         _check_init("prior_alpha_init", self.prior_alpha_init, ALPHA_INIT_MODES, positive=True)
         _check_init("prior_beta_init", self.prior_beta_init, BETA_INIT_MODES, positive=False)
-        if not isinstance(self.prior_mu_init, int | float) or isinstance(self.prior_mu_init, bool):
-            raise ValueError(f"prior_mu_init must be a number, got {self.prior_mu_init!r}")
+        if not _is_float32_number(self.prior_mu_init):
+            raise ValueError(
+                f"prior_mu_init must be a finite float32 number, got {self.prior_mu_init!r}"
+            )
         for field in dataclasses.fields(self):
             if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"{field.name} must be a bool, got {getattr(self, field.name)!r}")
@@ -197,7 +200,14 @@ def _check_init(name: str, value: Any, modes: tuple[str, ...], *, positive: bool
         if value not in modes:
             raise ValueError(f"{name} must be one of {modes} or a number, got {value!r}")
         return
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValueError(f"{name} must be one of {modes} or a number, got {value!r}")
+    if not _is_float32_number(value):
+        raise ValueError(f"{name} must be one of {modes} or a finite float32 number, got {value!r}")
     if positive and value <= 0:
         raise ValueError(f"{name} must be positive (it is exp(theta_alpha)), got {value!r}")
+
+
+def _is_float32_number(value: object) -> bool:
+    """A real number (not a bool) that is finite in float32."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX

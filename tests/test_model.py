@@ -388,6 +388,12 @@ def test_config_roundtrip_and_presets():
         ("global_prior", None),
         ("train_prior_alpha", "true"),
         ("ssmax_prior_inside", 0),
+        ("norm_eps", float("nan")),
+        ("rope_theta", float("inf")),
+        ("ffn_dim_multiplier", 1e39),
+        ("prior_mu_init", float("inf")),
+        ("prior_alpha_init", float("nan")),
+        ("prior_beta_init", -1e39),
     ],
 )
 def test_config_validation_names_the_field(field, value):

@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from bam_jax.config import ModelConfig
+from bam_jax.config import FLOAT32_MAX, ModelConfig
 from train.data import DataConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_SEED = 2**31 - 1
 
 
@@ -300,12 +299,11 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
         )
     if cfg.data.source != "passkey" and not _path_exists(cfg.data.path):
         raise ValueError(f"data.path: {cfg.data.path!r} does not exist")
-    vocab = _data_vocab_size(cfg)
+    vocab, origin = _data_vocab(cfg)
     if vocab > cfg.model.vocab_size:
         raise ValueError(
-            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the vocabulary of the "
-            f"data's tokenizer ({vocab}); set model.vocab_size >= {vocab} or change "
-            f"data.tokenizer"
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the vocabulary of "
+            f"{origin} ({vocab}); set model.vocab_size >= {vocab} or change data.tokenizer"
         )
     if cfg.data.source != "shards":
         get_tokenizer(cfg.data.tokenizer)
@@ -315,11 +313,15 @@ def _path_exists(path: str) -> bool:
     return os.path.exists(path) or bool(glob.glob(path))
 
 
-def _data_vocab_size(cfg: TrainConfig) -> int:
+def _data_vocab(cfg: TrainConfig) -> tuple[int, str]:
+    """The data's vocabulary size and where it comes from, for errors."""
     from bam_jax.tokenizers import get_tokenizer
 
     if cfg.data.source == "shards":
         from train.shards import read_meta
 
-        return int(read_meta(cfg.data.path)["vocab_size"])
-    return get_tokenizer(cfg.data.tokenizer).vocab_size
+        meta = read_meta(cfg.data.path)
+        tokenizer = meta.get("tokenizer")
+        return int(meta["vocab_size"]), f"the shards in {cfg.data.path!r} (tokenizer {tokenizer!r})"
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    return tokenizer.vocab_size, f"data.tokenizer {cfg.data.tokenizer!r}"

@@ -92,8 +92,9 @@ class DataConfig:
         for name in ("passkey_paper_filler_fraction", "passkey_task_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"data.{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.val_rows < 0 or self.num_threads < 0 or self.prefetch < 0:
-            raise ValueError("data.val_rows, data.num_threads and data.prefetch must be >= 0")
+        for name in ("val_rows", "num_threads", "prefetch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}")
         if self.passkey_prefix_digits < 0:
             raise ValueError("data.passkey_prefix_digits must be >= 0")
         if self.passkey_lm_positions < 0:
