@@ -11,8 +11,13 @@ Any field can be overridden with `--config.FIELD=VALUE`, nested with dots:
 `--config.data.source=text --config.data.path=corpus/`. A workdir that holds checkpoints is
 resumed from its latest one.
 
-Several processes (hosts): pass --coordinator=HOST:PORT --num_processes=N --process_id=I
-to every process (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).
+Several processes (hosts): on a TPU pod slice, or under Slurm or Open MPI with more than one
+task, `--distributed=auto` (the default) calls `jax.distributed.initialize()` without
+arguments and jax reads the cluster from its environment; `--distributed=cluster` does so
+everywhere (e.g. a TPU VM pod, found through its metadata server). Elsewhere pass
+--coordinator=HOST:PORT --num_processes=N --process_id=I to every process (or set
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); `--distributed=off` never
+initializes.
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ from absl import flags
 from ml_collections import ConfigDict, config_dict, config_flags
 
 from train.config import TrainConfig, describe_type
+
+DISTRIBUTED_MODES = ("auto", "cluster", "off")
+
+# Process counts that jax's cluster detection reads, by scheduler.
+CLUSTER_PROCESS_COUNTS = {
+    "Slurm": "SLURM_NTASKS",
+    "Open MPI": "OMPI_COMM_WORLD_SIZE",
+}
+
 
 CONFIG_HELP = (
     "A preset name (tiny, micro, anchor, l6_512 ... l24_1024), a Python file with "
@@ -285,6 +299,15 @@ def define_flags(
         flag_values=flag_values,
     )
     flags.DEFINE_enum(
+        "distributed",
+        "auto",
+        list(DISTRIBUTED_MODES),
+        "auto: the explicit flags when --num_processes > 1, else jax's cluster detection "
+        "under Slurm / Open MPI / a TPU pod with several processes, else one process; "
+        "cluster: always jax.distributed.initialize() without arguments; off: one process.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_enum(
         "cpu_collectives",
         "gloo",
         ["gloo", "none"],
@@ -351,13 +374,40 @@ def _check_process_flags(flag_values: flags.FlagValues) -> None:
         )
 
 
+def distributed_mode(flag_values: flags.FlagValues, environ: dict[str, str]) -> str:
+    """How to start: "explicit" (the flags), "cluster" (jax detects the cluster) or "off"."""
+    if flag_values.distributed == "off":
+        return "off"
+    if flag_values.distributed == "cluster":
+        return "cluster"
+    if flag_values.num_processes > 1:
+        return "explicit"
+    if detected_cluster(environ) is not None:
+        return "cluster"
+    return "off"
+
+
+def detected_cluster(environ: dict[str, str]) -> str | None:
+    """The scheduler that started several processes of this job, if any."""
+    for name, variable in CLUSTER_PROCESS_COUNTS.items():
+        if environ.get(variable, "1").strip() not in ("", "0", "1"):
+            return name
+    if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
+        return "TPU pod"
+    return None
+
+
 def initialize_distributed(flag_values: flags.FlagValues) -> None:
-    if flag_values.num_processes <= 1:
+    mode = distributed_mode(flag_values, dict(os.environ))
+    if mode == "off":
         return
     import jax
 
     if flag_values.cpu_collectives != "none":
         jax.config.update("jax_cpu_collectives_implementation", flag_values.cpu_collectives)
+    if mode == "cluster":
+        jax.distributed.initialize()
+        return
     jax.distributed.initialize(
         coordinator_address=flag_values.coordinator,
         num_processes=flag_values.num_processes,
