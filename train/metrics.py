@@ -1,12 +1,16 @@
 """Metrics: `WORKDIR/metrics.jsonl` (one JSON object per line), TensorBoard event files under
 `WORKDIR/tensorboard`, a progress bar, and model FLOPs utilisation where the device's peak is
-known."""
+known.
+
+A resumed run replays the steps after its checkpoint, so the records of those steps are
+dropped from `metrics.jsonl` when it starts; a `metrics.jsonl` deleted or replaced while the
+run writes is opened again."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import IO, Any
 
 import jax
 import tqdm
@@ -53,9 +57,9 @@ class MetricsWriter:
         self._bar = None
         if not self.enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        path = os.path.join(workdir, "metrics.jsonl")
-        self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._path = os.path.join(workdir, "metrics.jsonl")
+        keep_records_up_to(self._path, start_step)
+        self._jsonl = _open_for_append(self._path)
         from tensorboardX import SummaryWriter
 
         self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -68,6 +72,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"step": step, **values}
+        self._reopen_if_replaced()
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         for name, value in values.items():
@@ -78,6 +83,15 @@ class MetricsWriter:
             if "tokens_per_s" in values:
                 postfix["tok/s"] = f"{values['tokens_per_s']:.0f}"
             self._bar.set_postfix(postfix, refresh=False)
+
+    def _reopen_if_replaced(self) -> None:
+        try:
+            same = os.path.samestat(os.stat(self._path), os.fstat(self._jsonl.fileno()))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            self._jsonl.close()
+            self._jsonl = _open_for_append(self._path)
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
@@ -98,6 +112,37 @@ class MetricsWriter:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def _open_for_append(path: str) -> IO[str]:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return open(path, "a", encoding="utf-8")
+
+
+def keep_records_up_to(path: str, step: int) -> None:
+    """Drop the records of steps after `step` and unreadable lines (a write cut short) from
+    a metrics file, atomically: the file is rewritten to a temporary name and renamed."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    steps = [_record_step(line) for line in lines]
+    kept = [line for line, s in zip(lines, steps, strict=True) if s is not None and s <= step]
+    if len(kept) == len(lines):
+        return
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in kept)
+    os.replace(temporary, path)
+
+
+def _record_step(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
