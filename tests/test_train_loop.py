@@ -4,22 +4,26 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import threading
 import time
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from bam_jax.model import Transformer
 from bam_jax.tokenizers import get_tokenizer
 from configs.presets import preset
+from train import loop as train_loop
 from train.checkpoint import load_model, read_config
 from train.data import DataConfig, PasskeyRows, train_iterator
 from train.loop import NonFiniteLossError, build, dry_run, loss_sums, train
 from train.metrics import read_metrics
+from train.optim import make_optimizer
 from train.state import ModelParts
 
 STEPS = 12
@@ -137,14 +141,44 @@ def test_load_model_returns_the_trained_weights(full_run, corpus):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus):
-    cfg = small_config(corpus, steps=6, checkpoint_every=1)
-    cfg = cfg.replace(optim=dataclasses.replace(cfg.optim, lr=1e30, clip_norm=0.0))
-    with pytest.raises(NonFiniteLossError, match="last good checkpoint is step"):
-        train(cfg, str(tmp_path))
-    saved = read_config(str(tmp_path))[1]
-    records = losses(str(tmp_path))
-    assert saved == records[-1][0] and all(np.isfinite(loss) for _, loss in records)
+@pytest.mark.parametrize("lr", [1e9, 1e38])
+def test_non_finite_loss_leaves_a_checkpoint_that_resumes(tmp_path, corpus, lr):
+    """A huge lr leaves parameters finite but so large that the next loss or gradient is
+    NaN. The checkpoint named good must train on at a sane lr, and must still be there with
+    keep_last=1, although a newer (bad) checkpoint was written after it."""
+    workdir = str(tmp_path)
+    cfg = small_config(corpus, steps=8, checkpoint_every=1, eval_every=0, keep_last=1)
+    train(cfg, workdir, stop_after=3)
+    huge = dataclasses.replace(cfg.optim, lr=lr, prior_lr=lr, ssmax_lr=lr)
+    with pytest.raises(NonFiniteLossError, match=r"last good checkpoint is step (\d+)") as error:
+        train(cfg.replace(optim=huge), workdir)
+    good = int(re.search(r"last good checkpoint is step (\d+)", str(error.value)).group(1))
+    assert read_config(workdir)[1] == good >= 3
+    sane = dataclasses.replace(cfg.optim, lr=1e-3, prior_lr=1e-3, ssmax_lr=1e-3)
+    train(cfg.replace(optim=sane, steps=good + 4), workdir)
+    records = losses(workdir)
+    assert [step for step, _ in records] == list(range(1, good + 5))
+    assert all(np.isfinite(loss) for _, loss in records)
+
+
+def test_an_update_that_overflows_the_state_is_not_saved(tmp_path, corpus, monkeypatch):
+    workdir = str(tmp_path)
+    cfg = small_config(corpus, steps=8, checkpoint_every=1, eval_every=0)
+    train(cfg, workdir, stop_after=2)
+
+    def overflowing_optimizer(*args):
+        tx = make_optimizer(*args)
+
+        def update(grads, state, params=None):
+            updates, state = tx.update(grads, state, params)
+            return jax.tree.map(lambda u: u * np.inf, updates), state
+
+        return optax.GradientTransformation(tx.init, update)
+
+    monkeypatch.setattr(train_loop, "make_optimizer", overflowing_optimizer)
+    with pytest.raises(NonFiniteLossError, match=r"update of step 3 .* checkpoint is step 2"):
+        train(cfg, workdir)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
 
 
 def test_dry_run_reports_params_and_memory(corpus):

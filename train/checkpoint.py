@@ -1,22 +1,30 @@
 """Checkpoints with orbax: asynchronous, atomic (written to a temporary directory and renamed
-when complete), keeping the last `keep_last` plus every `keep_every`-th step.
+when complete), keeping the last `keep_last` plus every `keep_every`-th step, plus the newest
+step known to be good (see `Checkpointer.mark_good`).
 
 Each checkpoint `WORKDIR/checkpoints/STEP/` holds
   state/   the TrainState (step, params, consts, optimizer state), sharded arrays
   data/    the grain iterator state, one JSON file per process
   config/  the resolved TrainConfig as JSON
+
+A checkpoint that cannot be used is never deleted: `Checkpointer.set_aside` renames it to
+`STEP.REASON` (orbax ignores names that are not a step number).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from bam_jax.config import ModelConfig
 from bam_jax.model import Transformer
@@ -25,6 +33,9 @@ from train.optim import make_optimizer
 from train.state import ModelParts, TrainState, init_state
 
 CHECKPOINT_DIR = "checkpoints"
+_MAX_REASON_CHARS = 300
+
+preservation = ocp.checkpoint_managers.preservation_policy
 
 
 class IteratorSnapshot:
@@ -48,18 +59,65 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
 
 
+def error_summary(err: BaseException) -> str:
+    """One line saying why a checkpoint failed to load. Orbax wraps tensorstore's message
+    (which names the file and the damage) in an exception whose own text is a page of spec,
+    so the innermost explicit cause (`raise ... from`) is the informative one."""
+    seen = {id(err)}
+    while err.__cause__ is not None and id(err.__cause__) not in seen:
+        err = err.__cause__
+        seen.add(id(err))
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0] if lines else 'no message'}"
+    return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
+
+
+class CheckpointReadError(ValueError):
+    """A checkpoint's files could not be read; the message names its directory and why."""
+
+
+@contextlib.contextmanager
+def explained_read_errors(step_dir: str) -> Iterator[None]:
+    """Any failure inside becomes a one-line CheckpointReadError naming `step_dir`."""
+    try:
+        yield
+    except Exception as err:  # orbax, tensorstore and json raise many types for one cause
+        message = f"checkpoint: {step_dir} cannot be read: {error_summary(err)}"
+        raise CheckpointReadError(message) from err
+
+
+@dataclasses.dataclass
+class _KeepStep:
+    """Orbax preservation policy keeping the checkpoint of one step (None: none)."""
+
+    step: int | None = None
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        return [info.step == self.step for info in checkpoints]
+
+
 class Checkpointer:
     def __init__(self, workdir: str, cfg: TrainConfig):
+        self.directory = checkpoint_dir(workdir)
+        self._keep_good = _KeepStep()
+        policies = [preservation.LatestN(cfg.keep_last), self._keep_good]
+        if cfg.keep_every:
+            policies.append(preservation.EveryNSteps(cfg.keep_every))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep_last,
-            keep_period=cfg.keep_every or None,
+            preservation_policy=preservation.AnyPreservationPolicy(policies),
             enable_async_checkpointing=cfg.async_checkpoint,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def steps(self) -> list[int]:
+        return list(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def save(
         self, step: int, state: TrainState, data_state: dict, config: dict, force: bool = False
@@ -71,16 +129,46 @@ class Checkpointer:
         )
         return self.manager.save(step, args=args, force=force)
 
+    def read_config(self, step: int) -> TrainConfig:
+        """The config saved at `step`; CheckpointReadError if it cannot be read."""
+        args = ocp.args.Composite(config=ocp.args.JsonRestore())
+        with explained_read_errors(self.step_dir(step)):
+            return TrainConfig.from_dict(self.manager.restore(step, args=args)["config"])
+
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict]:
-        """State (with the shardings of `abstract_state`) and the data iterator state."""
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=grain.checkpoint.CheckpointRestore(IteratorSnapshot()),
-            ),
+        """State (with the shardings of `abstract_state`) and the data iterator state;
+        CheckpointReadError if they cannot be read."""
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=grain.checkpoint.CheckpointRestore(IteratorSnapshot()),
         )
+        with explained_read_errors(self.step_dir(step)):
+            restored = self.manager.restore(step, args=args)
         return restored["state"], restored["data"].state
+
+    def mark_good(self, step: int) -> None:
+        """The state saved at `step` gave a finite loss: keep it even past `keep_last` until a
+        newer checkpoint is known good, so a newer bad one never leaves none good."""
+        if step in self.manager.all_steps():
+            self._keep_good.step = step
+
+    def set_aside(self, step: int, reason: str) -> str:
+        """Rename checkpoint `step` to `STEP.REASON` (or `STEP.REASON-N` if taken) so that
+        resuming and saving skip it; returns the new path."""
+        self.wait()
+        base = f"{self.step_dir(step)}.{reason}"
+        target, n = base, 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{base}-{n}"
+        if jax.process_index() == 0:
+            os.rename(self.step_dir(step), target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint set aside {step}")
+        self.manager.reload()
+        if self._keep_good.step == step:
+            self._keep_good.step = None
+        return target
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -90,18 +178,29 @@ class Checkpointer:
         self.manager.close()
 
 
+@contextlib.contextmanager
+def _reader(workdir: str) -> Iterator[ocp.CheckpointManager]:
+    """A manager that only reads: it creates no directory."""
+    options = ocp.CheckpointManagerOptions(create=False)
+    manager = ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+    try:
+        yield manager
+    finally:
+        manager.close()
+
+
 def read_config(workdir: str, step: int | None = None) -> tuple[TrainConfig, int]:
     """The config stored with a checkpoint (the latest when `step` is None) and its step."""
-    manager = ocp.CheckpointManager(checkpoint_dir(workdir))
-    step = manager.latest_step() if step is None else step
-    if step is None or step not in manager.all_steps():
-        raise ValueError(
-            f"workdir: no checkpoint{'' if step is None else f' at step {step}'} in "
-            f"{checkpoint_dir(workdir)} (steps: {list(manager.all_steps())})"
-        )
-    config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    manager.close()
-    return TrainConfig.from_dict(config["config"]), step
+    with _reader(workdir) as manager:
+        step = manager.latest_step() if step is None else step
+        if step is None or step not in manager.all_steps():
+            raise ValueError(
+                f"workdir: no checkpoint{'' if step is None else f' at step {step}'} in "
+                f"{checkpoint_dir(workdir)} (steps: {list(manager.all_steps())})"
+            )
+        with explained_read_errors(os.path.join(checkpoint_dir(workdir), str(step))):
+            args = ocp.args.Composite(config=ocp.args.JsonRestore())
+            return TrainConfig.from_dict(manager.restore(step, args=args)["config"]), step
 
 
 def load_model(workdir: str, step: int | None = None) -> tuple[ModelConfig, Transformer]:
@@ -114,10 +213,10 @@ def load_model(workdir: str, step: int | None = None) -> tuple[ModelConfig, Tran
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
     )
-    manager = ocp.CheckpointManager(checkpoint_dir(workdir))
-    restored = manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-    )
-    manager.close()
-    state: Any = restored["state"]
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    with (
+        _reader(workdir) as manager,
+        explained_read_errors(os.path.join(checkpoint_dir(workdir), str(step))),
+    ):
+        state: Any = manager.restore(step, args=args)["state"]
     return cfg.model, parts.merge(state.params, state.consts)

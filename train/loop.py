@@ -8,6 +8,7 @@ loss is the mean over all trained target tokens of the global batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -26,7 +27,12 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from train.checkpoint import Checkpointer, read_config
+from train.checkpoint import (
+    Checkpointer,
+    CheckpointReadError,
+    checkpoint_dir,
+    explained_read_errors,
+)
 from train.config import TrainConfig, validate_for_runtime
 from train.data import BatchLayout, loss_positions_per_row, train_iterator, val_batches
 from train.metrics import MetricsWriter, device_peak_flops, train_flops_per_token
@@ -38,7 +44,7 @@ Batch = dict[str, Any]
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss or the gradient norm became NaN or infinite."""
+    """The loss, the gradient norm or the updated state became NaN or infinite."""
 
 
 def loss_sums(parts: ModelParts, params, consts, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -83,11 +89,16 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation) -> Call
             "loss": loss_sum / denom,
             "grad_norm": optax.tree.norm(grads),
             "trained_tokens": count,
+            "state_finite": _all_finite((params, opt_state)),
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
     return step
+
+
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 def make_eval_step(parts: ModelParts) -> Callable:
@@ -268,43 +279,94 @@ def _in_main_thread() -> bool:
 
 def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> TrainResult:
     """Train to `cfg.steps` (or stop after `stop_after` steps, saving), resuming from the
-    latest checkpoint in `workdir` if there is one."""
+    newest checkpoint in `workdir` that restores (see `_resume`)."""
+    _prepare_workdir(workdir)
     setup = build(cfg)
-    os.makedirs(workdir, exist_ok=True)
     layout = setup.layout()
     data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, layout)
     val = []
     if cfg.eval_every:
         val = val_batches(cfg.data, cfg.seq_len, cfg.seed, layout, cfg.eval_batches)
-    checkpointer = Checkpointer(workdir, cfg)
-    start = checkpointer.latest_step()
-    if start is None:
-        state, start = setup.init(), 0
-    else:
-        _check_same_model(cfg, workdir, start)
-        state, data_state = checkpointer.restore(start, setup.abstract_sharded_state())
-        data.set_state(data_state)
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
-    writer = MetricsWriter(
-        workdir, total_steps=cfg.steps, start_step=start, progress_bar=cfg.progress_bar
-    )
-    if start:
-        writer.print(f"resumed from step {start} in {workdir}")
-    run = _Run(setup, workdir, data, val, checkpointer, writer)
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    with contextlib.closing(Checkpointer(workdir, cfg)) as checkpointer:
+        state, start, notes = _resume(setup, checkpointer, data, workdir)
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(cfg.to_dict(), f, indent=2)
+        writer = MetricsWriter(
+            workdir, total_steps=cfg.steps, start_step=start, progress_bar=cfg.progress_bar
+        )
+        with contextlib.closing(writer):
+            for note in notes:
+                writer.print(note)
+            if start:
+                writer.print(f"resumed from step {start} in {workdir}")
+            run = _Run(setup, workdir, data, val, checkpointer, writer)
+            end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+            with _Preemption() as preemption:
+                return run.loop(state, start, end, preemption)
+
+
+def _prepare_workdir(workdir: str) -> None:
+    """Create the run directory, or stop with a ValueError saying what is wrong with it."""
+    for path in (workdir, checkpoint_dir(workdir)):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"workdir: {path!r} is a file, expected a directory")
     try:
-        with _Preemption() as preemption:
-            return run.loop(state, start, end, preemption)
-    finally:
-        checkpointer.close()
-        writer.close()
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"workdir: cannot create {workdir!r}: {err.strerror or err}") from None
+    if not os.access(workdir, os.W_OK | os.X_OK):
+        raise ValueError(f"workdir: {workdir!r} is not writable")
 
 
-def _check_same_model(cfg: TrainConfig, workdir: str, step: int) -> None:
+def _resume(
+    setup: Setup, checkpointer: Checkpointer, data: Any, workdir: str
+) -> tuple[TrainState, int, list[str]]:
+    """The state of the newest checkpoint that restores, its step and notes for the user
+    (a fresh state at step 0 when there is no checkpoint); `data` is set to the position
+    saved with it.
+
+    Newer checkpoints that fail to restore are moved aside to `checkpoints/STEP.broken`,
+    never deleted, so the run trains and saves their steps again; the notes say which were
+    moved and why. When none restores nothing is moved and a ValueError lists them all.
+    """
+    failures: list[tuple[int, str]] = []
+    for step in sorted(checkpointer.steps(), reverse=True):
+        try:
+            state = _restore(setup, checkpointer, step, data, workdir)
+        except CheckpointReadError as err:
+            failures.append((step, str(err)))
+            continue
+        notes = [
+            f"{why}; moved it to {checkpointer.set_aside(broken, 'broken')} and resumed "
+            f"from step {step}"
+            for broken, why in failures
+        ]
+        return state, step, notes
+    if failures:
+        raise ValueError(
+            f"workdir: no checkpoint in {checkpointer.directory} can be restored "
+            f"({'; '.join(why for _, why in failures)}); move them out of "
+            f"{checkpointer.directory} to train from step 0"
+        )
+    return setup.init(), 0, []
+
+
+def _restore(
+    setup: Setup, checkpointer: Checkpointer, step: int, data: Any, workdir: str
+) -> TrainState:
+    saved = checkpointer.read_config(step)
+    _check_same_model(setup.cfg, saved, workdir)
+    state, data_state = checkpointer.restore(step, _abstract_as_saved(setup, saved))
+    with explained_read_errors(checkpointer.step_dir(step)):
+        data.set_state(data_state)
+    opt_leaves = jax.tree.leaves(state.opt_state)
+    opt_treedef = jax.tree.structure(setup.abstract_state.opt_state)
+    return state.replace(opt_state=jax.tree.unflatten(opt_treedef, opt_leaves))
+
+
+def _check_same_model(cfg: TrainConfig, saved: TrainConfig, workdir: str) -> None:
     """Resuming needs the model of the checkpoint; other fields (steps, lr, ...) may change."""
-    saved, _ = read_config(workdir, step)
     if saved.model != cfg.model:
         old, new = saved.model.to_dict(), cfg.model.to_dict()
         changed = {k: (old[k], new[k]) for k in new if old[k] != new[k]}
@@ -312,6 +374,27 @@ def _check_same_model(cfg: TrainConfig, workdir: str, step: int) -> None:
             f"workdir: {workdir!r} holds checkpoints of another model (changed model fields, "
             f"saved -> requested: {changed}); use a new workdir"
         )
+
+
+def _abstract_as_saved(setup: Setup, saved: TrainConfig) -> TrainState:
+    """The sharded abstract state in the tree structure of a checkpoint written with config
+    `saved`. Turning `optim.clip_norm` or `optim.weight_decay` on or off adds or removes
+    optimizer stages that hold no arrays: the arrays, and their order, stay the same."""
+    abstract = setup.abstract_sharded_state()
+    if saved.optim == setup.cfg.optim:
+        return abstract
+    saved_tx = make_optimizer(saved.optim, saved.steps, setup.parts.labels)
+    saved_treedef = jax.tree.structure(jax.eval_shape(saved_tx.init, setup.abstract_state.params))
+    leaves = jax.tree.leaves(abstract.opt_state)
+    if saved_treedef.num_leaves != len(leaves):
+        old, new = dataclasses.asdict(saved.optim), dataclasses.asdict(setup.cfg.optim)
+        changed = {k: (old[k], new[k]) for k in new if old[k] != new[k]}
+        raise ValueError(
+            f"optim: the optimizer state in the checkpoints does not fit the requested "
+            f"optimizer (changed optim fields, saved -> requested: {changed}); restore "
+            f"those values or use a new workdir"
+        )
+    return abstract.replace(opt_state=jax.tree.unflatten(saved_treedef, leaves))
 
 
 @dataclasses.dataclass
@@ -339,22 +422,22 @@ class _Run:
                 profiler.after(step)
                 loss = self._after_step(step, end, state, metrics)
                 if preemption.requested(step):
-                    self._save(step, state, force=True)
+                    self._save_unless_saved(step, state)
                     self.checkpointer.wait()
                     self.writer.print(f"SIGTERM: saved step {step} to {self.workdir}, exiting")
                     return TrainResult(step, state, loss, preempted=True)
         finally:
             profiler.close()
-        if self.checkpointer.latest_step() != step:
-            self._save(step, state, force=True)
+        self._save_unless_saved(step, state)
         self.checkpointer.wait()
         return TrainResult(step, state, loss)
 
     def _after_step(self, step: int, end: int, state: TrainState, metrics: dict) -> float:
         """Check, log, validate and checkpoint after a step; returns the loss."""
         cfg = self.setup.cfg
+        metrics = jax.device_get(metrics)
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-        self._check_finite(step, loss, grad_norm)
+        self._check_finite(step, loss, grad_norm, bool(metrics["state_finite"]))
         self._log(step, end, loss, grad_norm, metrics)
         if self.val and step % cfg.eval_every == 0:
             self.writer.write(step, {"val_loss": self._validate(state)})
@@ -367,14 +450,45 @@ class _Run:
         config = self.setup.cfg.to_dict()
         self.checkpointer.save(step, state, self.data.get_state(), config, force=force)
 
-    def _check_finite(self, step: int, loss: float, grad_norm: float) -> None:
+    def _save_unless_saved(self, step: int, state: TrainState) -> None:
+        if self.checkpointer.latest_step() != step:
+            self._save(step, state, force=True)
+
+    def _check_finite(self, step: int, loss: float, grad_norm: float, state_finite: bool) -> None:
+        """Stop on a non-finite loss, gradient norm or updated state, leaving only checkpoints
+        known to be good.
+
+        A checkpoint is good when the loss and gradient norm computed from its parameters (by
+        the step after it) are finite: parameters can be finite yet so large that the next
+        loss or gradient overflows. So a non-finite loss or gradient norm at step `step`
+        condemns the checkpoint of step `step - 1`, which is moved aside to
+        `checkpoints/STEP.nonfinite` (never deleted); a non-finite updated state is never
+        saved. Every checkpoint left is then one whose next step was finite.
+        """
         if math.isfinite(loss) and math.isfinite(grad_norm):
-            return
+            if state_finite:
+                self.checkpointer.mark_good(step - 1)
+                return
+            cause = f"the update of step {step} made parameters or optimizer state non-finite"
+            moved = ""
+        else:
+            cause = f"loss {loss}, grad norm {grad_norm} at step {step}"
+            moved = self._set_aside_nonfinite(step - 1)
+        latest = self.checkpointer.latest_step()
+        if latest is None:
+            resume = f"no good checkpoint is left in {self.workdir}; a new run starts from step 0"
+        else:
+            resume = f"the last good checkpoint is step {latest} in {self.workdir}"
+        raise NonFiniteLossError(f"{cause}: training stopped; {resume}{moved}")
+
+    def _set_aside_nonfinite(self, step: int) -> str:
+        """Move the checkpoint of `step`, whose parameters gave a non-finite loss or gradient,
+        out of the way of resuming; returns a note for the error message."""
         self.checkpointer.wait()
-        raise NonFiniteLossError(
-            f"loss {loss}, grad norm {grad_norm} at step {step}: training stopped; the "
-            f"last good checkpoint is step {self.checkpointer.latest_step()} in {self.workdir}"
-        )
+        if step not in self.checkpointer.steps():
+            return ""
+        path = self.checkpointer.set_aside(step, "nonfinite")
+        return f" (checkpoint step {step}, whose parameters gave this, was moved to {path})"
 
     def _log(self, step: int, end: int, loss: float, grad_norm: float, metrics: dict) -> None:
         cfg = self.setup.cfg

@@ -1,0 +1,240 @@
+"""Resuming a run whose workdir was damaged or left behind by a killed process: a damaged
+checkpoint is skipped (and kept), optimizer options may change, metrics are not duplicated,
+SIGTERM right after a checkpoint exits cleanly, and a bad workdir is a one-line error."""
+
+import dataclasses
+import glob
+import json
+import os
+import pathlib
+import shutil
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs.presets import preset
+from train import loop
+from train.checkpoint import load_model, read_config
+from train.data import DataConfig
+from train.loop import train
+from train.metrics import MetricsWriter, read_metrics
+from train.state import ModelParts
+
+STEPS = 4
+WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "green", "blue", "sun", "sky")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """Runs of one config compile the same programs: let them share a persistent cache."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    previous = {name: getattr(jax.config, name) for name in names}
+    values = (str(tmp_path_factory.mktemp("xla_cache")), 0, -1)
+    for name, value in zip(names, values, strict=True):
+        jax.config.update(name, value)
+    cc.reset_cache()
+    yield
+    for name, value in previous.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(200):
+            words = rng.choice(WORDS, size=int(rng.integers(5, 30)))
+            f.write(json.dumps({"text": " ".join(words) + "."}) + "\n")
+    return str(path)
+
+
+def small_config(corpus, **changes):
+    cfg = preset("micro")
+    fields = dict(
+        model=cfg.model.replace(vocab_size=259, max_seq_len=64),
+        data=DataConfig(source="text", path=corpus, tokenizer="byte", val_rows=8),
+        steps=STEPS,
+        batch_size=4,
+        log_every=1,
+        eval_every=0,
+        checkpoint_every=2,
+    )
+    return cfg.replace(**{**fields, **changes})
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, corpus):
+    """A finished run with checkpoints at steps 2 and 4."""
+    workdir = str(tmp_path_factory.mktemp("base"))
+    return workdir, train(small_config(corpus), workdir)
+
+
+@pytest.fixture
+def workdir(base_run, tmp_path):
+    """A copy of the base run to damage."""
+    copy = str(tmp_path / "run")
+    shutil.copytree(base_run[0], copy)
+    return copy
+
+
+def largest_array_file(step_dir: str) -> str:
+    return max(glob.glob(f"{step_dir}/state/ocdbt.process_0/d/*"), key=os.path.getsize)
+
+
+def truncate_array_file(step_dir: str) -> None:
+    open(largest_array_file(step_dir), "w").close()
+
+
+def flip_array_bytes(step_dir: str) -> None:
+    path = largest_array_file(step_dir)
+    data = bytearray(pathlib.Path(path).read_bytes())
+    for i in range(100, len(data), 997):
+        data[i] ^= 0xFF
+    pathlib.Path(path).write_bytes(bytes(data))
+
+
+def empty_metadata(step_dir: str) -> None:
+    open(f"{step_dir}/state/_METADATA", "w").close()
+
+
+def break_iterator_json(step_dir: str) -> None:
+    pathlib.Path(f"{step_dir}/data/process_0-of-1.json").write_text('{"next_index": 1')
+
+
+DAMAGES = {
+    "array_file_truncated": truncate_array_file,
+    "array_bytes_flipped": flip_array_bytes,
+    "empty_metadata": empty_metadata,
+    "broken_iterator_json": break_iterator_json,
+}
+
+
+def params_of(workdir: str) -> list[np.ndarray]:
+    config, model = load_model(workdir)
+    params, _ = ModelParts.from_config(config)[0].split(model)
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_resume_skips_a_damaged_checkpoint_and_keeps_it(base_run, workdir, corpus, damage, capsys):
+    step_dir = os.path.join(workdir, "checkpoints", str(STEPS))
+    DAMAGES[damage](step_dir)
+    damaged = {
+        p: pathlib.Path(p).read_bytes()
+        for p in glob.glob(f"{step_dir}/**", recursive=True)
+        if os.path.isfile(p)
+    }
+    result = train(small_config(corpus), workdir)
+    output = capsys.readouterr().out
+    assert f"checkpoints/{STEPS} cannot be read" in output and "resumed from step 2" in output
+    assert result.step == STEPS and read_config(workdir)[1] == STEPS
+    for path, content in damaged.items():
+        assert pathlib.Path(path.replace(step_dir, step_dir + ".broken")).read_bytes() == content
+    for a, b in zip(params_of(workdir), params_of(base_run[0]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_no_restorable_checkpoint_is_an_error_that_moves_nothing(workdir, corpus):
+    for step in (2, 4):
+        empty_metadata(os.path.join(workdir, "checkpoints", str(step)))
+    with pytest.raises(
+        ValueError,
+        match=r"no checkpoint .* can be restored .*checkpoints/4 .*"
+        r"checkpoints/2 cannot be read",
+    ):
+        train(small_config(corpus), workdir)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
+
+
+def test_load_model_names_the_damaged_checkpoint(workdir):
+    empty_metadata(os.path.join(workdir, "checkpoints", str(STEPS)))
+    with pytest.raises(ValueError, match=rf"checkpoints/{STEPS} cannot be read: JSONDecodeError"):
+        load_model(workdir)
+
+
+def test_read_config_names_the_damaged_checkpoint(workdir):
+    pathlib.Path(workdir, "checkpoints", "2", "config", "metadata").write_text("{")
+    with pytest.raises(ValueError, match=r"checkpoints/2 cannot be read: JSONDecodeError"):
+        read_config(workdir, 2)
+
+
+@pytest.mark.parametrize("field", ["clip_norm", "weight_decay"])
+def test_optimizer_options_may_be_switched_off_on_resume(base_run, workdir, corpus, field):
+    cfg = small_config(corpus)
+    changed = cfg.replace(optim=dataclasses.replace(cfg.optim, **{field: 0.0}))
+    restored = train(changed, workdir).state
+    for a, b in zip(
+        jax.tree.leaves(restored.opt_state),
+        jax.tree.leaves(base_run[1].state.opt_state),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    result = train(changed.replace(steps=STEPS + 1), workdir)
+    assert result.step == STEPS + 1 and np.isfinite(result.last_loss)
+    switched_back = train(cfg.replace(steps=STEPS + 2), workdir)
+    assert switched_back.step == STEPS + 2 and np.isfinite(switched_back.last_loss)
+
+
+def test_resume_drops_metrics_of_replayed_steps(workdir, corpus):
+    """A run killed after step 6 with its last checkpoint at step 4 logged steps 5 and 6 and
+    began a line; resuming replays 5 and 6 and must not keep them twice."""
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 5, "loss": 1.0}\n{"step": 6, "loss": 1.0}\n{"step": 7, "lo')
+    train(small_config(corpus, steps=6), workdir)
+    steps = [r["step"] for r in read_metrics(workdir)]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert all(r["loss"] != 1.0 for r in read_metrics(workdir))
+
+
+def test_a_deleted_metrics_file_is_written_again(tmp_path):
+    writer = MetricsWriter(str(tmp_path), total_steps=3, start_step=0, progress_bar=False)
+    writer.write(1, {"loss": 3.0})
+    os.remove(tmp_path / "metrics.jsonl")
+    writer.write(2, {"loss": 2.0})
+    writer.close()
+    assert read_metrics(str(tmp_path)) == [{"step": 2, "loss": 2.0}]
+
+
+def test_sigterm_on_a_checkpointed_step_saves_and_stops(tmp_path, corpus):
+    workdir = str(tmp_path)
+
+    def send_sigterm_after_two_steps():
+        deadline = time.time() + 120
+        path = pathlib.Path(workdir, "metrics.jsonl")
+        while time.time() < deadline:
+            if path.exists() and len(path.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=send_sigterm_after_two_steps)
+    sender.start()
+    result = train(small_config(corpus, steps=100, checkpoint_every=1), workdir)
+    sender.join()
+    assert result.preempted and read_config(workdir)[1] == result.step
+
+
+def _refuse_to_build(cfg):
+    raise AssertionError("the workdir is checked before the run is built")
+
+
+@pytest.mark.parametrize(
+    "relative, problem", [("file", "is a file"), ("file/sub", "cannot create")]
+)
+def test_an_unusable_workdir_is_a_one_line_error(tmp_path, corpus, monkeypatch, relative, problem):
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setattr(loop, "build", _refuse_to_build)
+    with pytest.raises(ValueError, match=rf"workdir: .*{problem}"):
+        train(small_config(corpus), str(tmp_path / relative))
