@@ -23,6 +23,7 @@ import json
 import math
 import os
 import tempfile
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -332,10 +333,17 @@ def _weights_path(run_dir: Path, weights: str | None) -> Path:
 
 def _read_weights(path: Path) -> Mapping[str, Any]:
     if path.suffix == ".npz":
+        if path.stat().st_size == 0:
+            raise ValueError(f"{path}: the file is empty (0 bytes); copy or export it again")
+        if not zipfile.is_zipfile(path):
+            raise ValueError(
+                f"{path}: not a .npz archive (a zip of .npy arrays); the file is damaged or "
+                "of another format"
+            )
         try:
             with np.load(path, allow_pickle=False) as data:
                 return {key: data[key] for key in data.files}
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
             raise ValueError(f"{path}: not a readable .npz archive ({error})") from error
     torch = _import_torch()
     try:
