@@ -4,7 +4,8 @@ Layout: ``{"model": {...}, "runs": {settings_key: {"settings": {...}, "entries":
 A run's settings key names everything that changes the numbers (checkpoint step, sampling,
 sample count, seed, ...); entries are keyed by length (passkey) or by data source
 (perplexity). Files are rewritten atomically after each new entry, so an interrupted
-sweep keeps what it finished.
+sweep keeps what it finished. A file that does not have this layout is refused, never
+overwritten: it may be someone's results.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -21,19 +23,21 @@ def settings_key(settings: dict[str, Any]) -> str:
 
 
 class ResultStore:
-    """Results of one model for one task, backed by a JSON file."""
+    """Results of one model for one task, backed by a JSON file.
 
-    def __init__(self, path: str, model_info: dict[str, Any] | None = None):
+    ``entry_fields``: keys every stored entry must have (checked when the file is read).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        model_info: dict[str, Any] | None = None,
+        entry_fields: Sequence[str] = (),
+    ):
         self.path = path
         self.data: dict[str, Any] = {"model": model_info or {}, "runs": {}}
-        if os.path.exists(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    self.data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"results file {path} is not valid JSON: {e}") from e
-            if not isinstance(self.data.get("runs"), dict):
-                raise ValueError(f"results file {path} has no 'runs' table")
+        if os.path.lexists(path):
+            self.data = _read_results(path, entry_fields)
             if model_info:
                 self.data["model"] = model_info
 
@@ -52,8 +56,49 @@ class ResultStore:
 
     def save(self) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        except OSError as error:
+            raise ValueError(f"cannot write results file {self.path}: {error}") from error
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(self.data, f, indent=1)
         os.replace(tmp, self.path)
+
+
+def _read_results(path: str, entry_fields: Sequence[str]) -> dict[str, Any]:
+    """The parsed file, or a ValueError naming the file and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as error:
+        raise ValueError(f"results file {path} cannot be read: {error.strerror}") from error
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise _malformed(path, f"it is not valid JSON ({error})") from error
+    problem = _layout_problem(data, entry_fields)
+    if problem:
+        raise _malformed(path, problem)
+    return data
+
+
+def _layout_problem(data: Any, entry_fields: Sequence[str]) -> str | None:
+    """What keeps ``data`` from being a results file, or None."""
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
+        return "expected a JSON object with a 'runs' object"
+    for key, run in data["runs"].items():
+        if not isinstance(run, dict) or not isinstance(run.get("entries"), dict):
+            return f"run {key!r} is not an object with an 'entries' object"
+        for entry_id, entry in run["entries"].items():
+            if not isinstance(entry, dict):
+                return f"entry {entry_id!r} of run {key!r} is not an object"
+            missing = [field for field in entry_fields if field not in entry]
+            if missing:
+                return f"entry {entry_id!r} of run {key!r} lacks {', '.join(missing)}"
+    return None
+
+
+def _malformed(path: str, problem: str) -> ValueError:
+    return ValueError(
+        f"results file {path} is malformed: {problem}; it was left untouched: move it "
+        "away or choose another --out, and run again"
+    )
