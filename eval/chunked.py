@@ -43,6 +43,33 @@ def capacity_bucket(n_tokens: int, chunk_size: int) -> int:
     return power * chunk_size
 
 
+def format_bytes(n_bytes: float) -> str:
+    for unit, scale in (("GB", 2**30), ("MB", 2**20)):
+        if n_bytes >= scale / 10:
+            return f"{n_bytes / scale:.2f} {unit}"
+    return f"{n_bytes / 2**10:.2f} KB"
+
+
+def check_sample_memory(
+    what: str,
+    capacity: int,
+    cache_bytes_per_slot: int,
+    activation_bytes: int,
+    budget_bytes: int,
+    advice: str,
+) -> None:
+    """Raises a ValueError, before any compile, when one sequence alone exceeds the budget."""
+    cache_bytes = cache_bytes_per_slot * capacity
+    needed = cache_bytes + activation_bytes
+    if needed > budget_bytes:
+        raise ValueError(
+            f"{what}: one sample needs about {format_bytes(needed)} (KV cache of "
+            f"{capacity} slots {format_bytes(cache_bytes)} + activations "
+            f"{format_bytes(activation_bytes)}), more than the memory budget of "
+            f"{format_bytes(budget_bytes)}; {advice}"
+        )
+
+
 @dataclasses.dataclass
 class ChunkStats:
     """What a scorer has run, for progress reports and the reuse checks in tests."""

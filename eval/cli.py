@@ -13,6 +13,7 @@ reference run directory (args.json + model.pt), optionally named: NAME=PATH. Res
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -20,8 +21,10 @@ from typing import Any
 
 from bam_jax.passkey import SAMPLINGS
 from eval import plots
+from eval.chunked import capacity_bucket, check_sample_memory
 from eval.models import (
     EvalModel,
+    activation_bytes,
     cache_bytes_per_slot,
     for_inference,
     load_eval_model,
@@ -32,6 +35,10 @@ from eval.passkey import PasskeySettings, evaluate_passkey
 from eval.perplexity import PACKINGS, evaluate_perplexity, load_rows
 from eval.prior_inspect import figure_table, head_classes, prior_curves, prior_table
 from eval.results import ResultStore
+
+# What the tables and figures read from each stored entry.
+PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")
+PERPLEXITY_FIELDS = ("positions", "perplexity")
 
 
 def parse_count(text: str) -> int:
@@ -50,6 +57,14 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+def positive_count(text: str) -> int:
+    """parse_count, but at least 1."""
+    value = parse_count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 1, got {text!r}")
+    return value
+
+
 def _csv(kind):
     def parse(text: str) -> list:
         return [kind(part) for part in text.split(",") if part.strip()]
@@ -57,16 +72,44 @@ def _csv(kind):
     return parse
 
 
+def _integer(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
     return value
+
+
+def _sampling(text: str) -> str:
+    if text not in SAMPLINGS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(SAMPLINGS)}, got {text!r}")
+    return text
+
+
+positive = _integer(1)
+non_negative = _integer(0)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("models", nargs="+", metavar="RUN", help="[NAME=]PATH[@STEP]")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (workdirs)")
+    parser.add_argument(
+        "--step", type=non_negative, default=None, help="checkpoint step (workdirs)"
+    )
     parser.add_argument(
         "--tokenizer", default=None, help="mistral, byte, passkey:BASE or a file path"
     )
@@ -76,12 +119,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _inference_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens)")
-    parser.add_argument("--block-q", type=int, default=None, help="attention query block")
-    parser.add_argument("--block-k", type=int, default=None, help="attention key block")
+    parser.add_argument("--chunk-size", type=positive, default=512, help="prefill chunk (tokens)")
+    parser.add_argument("--block-q", type=positive, default=None, help="attention query block")
+    parser.add_argument("--block-k", type=positive, default=None, help="attention key block")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    parser.add_argument("--batch-size", type=int, default=None, help="default: by memory")
-    parser.add_argument("--memory-gb", type=_positive_float, default=4.0, help="cache budget")
+    parser.add_argument("--batch-size", type=positive, default=None, help="default: by memory")
+    parser.add_argument(
+        "--memory-gb",
+        type=_positive_float,
+        default=4.0,
+        help="memory budget of a batch (KV cache and activations); longer samples are refused",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,16 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="multiples of each model's training length, e.g. 1,2,4,500",
     )
-    pk.add_argument("--samples", type=int, default=10, help="samples per length")
+    pk.add_argument("--samples", type=positive, default=10, help="samples per length")
     pk.add_argument(
         "--sampling",
-        type=_csv(str),
+        type=_csv(_sampling),
         default=["equidistant"],
         help=f"needle depth rule(s): {', '.join(SAMPLINGS)}",
     )
-    pk.add_argument("--prefix-digits", type=int, default=1, help="given key digits (paper: 1)")
-    pk.add_argument("--patience", type=int, default=None, help="stop after N lengths at 0%%")
-    pk.add_argument("--seed", type=int, default=0)
+    pk.add_argument(
+        "--prefix-digits", type=non_negative, default=1, help="given key digits (paper: 1)"
+    )
+    pk.add_argument("--patience", type=positive, default=None, help="stop after N lengths at 0%%")
+    pk.add_argument("--seed", type=non_negative, default=0)
 
     ppl = sub.add_parser("perplexity", help="perplexity per window of positions")
     _common(ppl)
@@ -119,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="shard dir, .npy, .txt/.jsonl file/dir/glob, hf:NAME[:SUBSET][@SPLIT]",
     )
-    ppl.add_argument("--seq-len", type=parse_count, default=32_768)
-    ppl.add_argument("--window", type=parse_count, default=1_024)
-    ppl.add_argument("--sequences", type=int, default=16)
+    ppl.add_argument("--seq-len", type=positive_count, default=32_768)
+    ppl.add_argument("--window", type=positive_count, default=1_024)
+    ppl.add_argument("--sequences", type=positive, default=16)
     ppl.add_argument("--packing", choices=PACKINGS, default="concat")
     ppl.add_argument("--text-key", default="text")
 
@@ -129,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(pr)
     pr.add_argument(
         "--max-distance",
-        type=parse_count,
+        type=positive_count,
         default=None,
         help="largest distance plotted (default 500x the training length)",
     )
@@ -138,7 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_orphaned_checkpoint_reads()
     try:
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out!r} is a file, expected a folder for the results")
         models = [load_eval_model(m, step=args.step) for m in args.models]
         names = [m.name for m in models]
         if len(set(names)) != len(names):
@@ -151,9 +204,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _quiet_orphaned_checkpoint_reads() -> None:
+    """After a checkpoint fails to load, TensorStore finishes the reads still in flight and
+    hands them to Orbax's event loop, which is closed by then; each would print a traceback
+    after the one-line error. Those, and only those, are dropped."""
+    default_hook = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        default_hook(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def _scorer(args: argparse.Namespace, m: EvalModel):
     model = for_inference(m.model, block_q=args.block_q, block_k=args.block_k, dtype=args.dtype)
     return make_scorer(model, chunk_size=args.chunk_size), model.config
+
+
+def _memory_budget(args: argparse.Namespace) -> int:
+    return int(args.memory_gb * 2**30)
 
 
 def _lengths_for(args: argparse.Namespace, m: EvalModel) -> list[int]:
@@ -178,17 +250,22 @@ def run_passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
                 checkpoint=m.checkpoint,
             )
             scorer, config = _scorer(args, m)
-            store = ResultStore(os.path.join(args.out, m.name, "passkey.json"), m.info())
+            lengths = _lengths_for(args, m)
+            store = ResultStore(
+                os.path.join(args.out, m.name, "passkey.json"), m.info(), PASSKEY_FIELDS
+            )
+            longest = capacity_bucket(max(*lengths, 1), args.chunk_size)
             curves[m.name] = evaluate_passkey(
                 scorer,
                 tokenizer,
-                _lengths_for(args, m),
+                lengths,
                 settings,
                 store,
                 patience=args.patience,
                 batch_size=args.batch_size,
                 cache_bytes_per_slot=cache_bytes_per_slot(config),
-                memory_budget_bytes=int(args.memory_gb * 2**30),
+                activation_bytes=activation_bytes(config, args.chunk_size, longest),
+                memory_budget_bytes=_memory_budget(args),
                 train_length=m.train_length,
                 progress=not args.quiet,
                 label=m.name,
@@ -242,6 +319,17 @@ def run_perplexity(args: argparse.Namespace, models: list[EvalModel]) -> int:
     tokenizer = resolve_tokenizer(models, args.tokenizer)
     if args.seq_len % args.window:
         raise ValueError(f"--window {args.window} must divide --seq-len {args.seq_len}")
+    scorers = {m.name: _scorer(args, m) for m in models}
+    capacity = capacity_bucket(args.seq_len + 1, args.chunk_size)
+    for name, (_, config) in scorers.items():
+        check_sample_memory(
+            f"model {name!r}: perplexity at --seq-len {args.seq_len}",
+            capacity,
+            cache_bytes_per_slot(config),
+            activation_bytes(config, args.chunk_size, capacity),
+            _memory_budget(args),
+            "use a smaller --seq-len or raise --memory-gb",
+        )
     rows = load_rows(
         args.data,
         tokenizer,
@@ -260,10 +348,12 @@ def run_perplexity(args: argparse.Namespace, models: list[EvalModel]) -> int:
             "tokenizer": tokenizer.name,
             "checkpoint": m.checkpoint,
         }
-        store = ResultStore(os.path.join(args.out, m.name, "perplexity.json"), m.info())
+        store = ResultStore(
+            os.path.join(args.out, m.name, "perplexity.json"), m.info(), PERPLEXITY_FIELDS
+        )
         entry = store.get(settings, args.data)
         if entry is None:
-            scorer, _ = _scorer(args, m)
+            scorer, _ = scorers[m.name]
             entry = evaluate_perplexity(
                 scorer,
                 rows,

@@ -102,23 +102,110 @@ def load_eval_model(arg: str, *, step: int | None = None) -> EvalModel:
     if not os.path.isdir(path):
         raise ValueError(f"model {arg!r}: {path!r} is not a directory")
     if is_reference_run(path):
-        if step is not None:
-            raise ValueError(f"model {arg!r}: a reference run has one checkpoint, no steps")
-        from bam_jax.reference_checkpoint import load_reference_checkpoint
+        evaluated = _load_reference(arg, name, path, step)
+    else:
+        evaluated = _load_workdir(arg, name, path, step)
+    bad = non_finite_parameters(evaluated.model)
+    if bad:
+        raise ValueError(
+            f"model {arg!r}: parameters with NaN or inf values: {', '.join(bad)}; the "
+            "results would be meaningless (evaluate an earlier checkpoint with PATH@STEP)"
+        )
+    return evaluated
 
+
+def _load_reference(arg: str, name: str, path: str, step: int | None) -> EvalModel:
+    if step is not None:
+        raise ValueError(f"model {arg!r}: a reference run has one checkpoint, no steps")
+    from bam_jax.reference_checkpoint import load_reference_checkpoint
+
+    try:
         config, model = load_reference_checkpoint(path)
-        return EvalModel(name, path, "reference", None, config, model, None)
+    except (ValueError, ImportError) as error:
+        raise ValueError(f"model {arg!r}: {error}") from error
+    return EvalModel(name, path, "reference", None, config, model, None)
+
+
+def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel:
     from train.checkpoint import checkpoint_dir, load_model, read_config
 
-    if not os.path.isdir(checkpoint_dir(path)):
+    directory = checkpoint_dir(path)
+    if not os.path.isdir(directory):
         raise ValueError(
             f"model {arg!r}: {path!r} is neither a training workdir (no "
-            f"{os.path.basename(checkpoint_dir(path))}/ folder) nor a reference run directory "
+            f"{os.path.basename(directory)}/ folder) nor a reference run directory "
             f"(args.json with {' or '.join(REFERENCE_WEIGHTS)})"
         )
-    train_config, step = read_config(path, step)
-    config, model = load_model(path, step=step)
+    step = _checkpoint_step(arg, directory, step)
+    try:
+        train_config, _ = read_config(path, step)
+        config, model = load_model(path, step=step)
+    except Exception as error:  # Orbax and TensorStore raise many types, by damaged file
+        others = [s for s in _steps(directory) if s != step]
+        fallback = (
+            f"evaluate another step with {path}@STEP (steps: {others})"
+            if others
+            else "the run has no other checkpoint"
+        )
+        raise ValueError(
+            f"model {arg!r}: checkpoint {os.path.join(directory, str(step))} cannot be read "
+            f"({_error_summary(error)}); it is damaged or incomplete: {fallback}"
+        ) from error
     return EvalModel(name, path, "workdir", step, config, model, train_config.data.tokenizer)
+
+
+def _steps(directory: str) -> list[int]:
+    import orbax.checkpoint as ocp
+
+    return sorted(ocp.utils.checkpoint_steps(directory))
+
+
+def _checkpoint_step(arg: str, directory: str, step: int | None) -> int:
+    """The requested step, or the latest, after checking that it was saved completely."""
+    steps = _steps(directory)
+    if not steps:
+        raise ValueError(
+            f"model {arg!r}: {directory} holds no complete checkpoint; train the run first"
+        )
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise ValueError(f"model {arg!r}: no checkpoint at step {step} (steps: {steps})")
+    return step
+
+
+def _error_summary(error: BaseException, limit: int = 300) -> str:
+    """The innermost cause on one line: Orbax wraps TensorStore's message, which names the
+    damaged file, in exceptions whose own text is a page of specification."""
+    seen = {id(error)}
+    while (inner := _cause(error)) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _cause(error: BaseException) -> BaseException | None:
+    """What ``error`` was raised from (``raise ... from None`` hides the context)."""
+    if error.__cause__ is not None or error.__suppress_context__:
+        return error.__cause__
+    return error.__context__
+
+
+def non_finite_parameters(model: nnx.Module, limit: int = 5) -> list[str]:
+    """Names of the first ``limit`` floating-point variables holding NaN or inf, with counts."""
+    found = []
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        array = np.asarray(variable.get_value())
+        if not np.issubdtype(array.dtype, np.floating):
+            continue
+        bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+        if bad:
+            found.append(f"{'.'.join(map(str, path))} ({bad} of {array.size} values)")
+    if len(found) > limit:
+        found = [*found[:limit], f"and {len(found) - limit} more"]
+    return found
 
 
 def resolve_tokenizer(models: list[EvalModel], requested: str | None) -> Tokenizer:
@@ -182,6 +269,19 @@ def cache_bytes_per_slot(config: ModelConfig) -> int:
     """Bytes of KV cache per sequence position (keys and values of every layer)."""
     itemsize = jnp.dtype(config.dtype).itemsize
     return 2 * config.n_layers * config.kv_heads * config.head_dim * itemsize
+
+
+def activation_bytes(config: ModelConfig, chunk_size: int, capacity: int) -> int:
+    """A generous estimate of one sequence's scratch memory while a chunk runs: float32
+    hidden states, MLP and logits of the chunk, attention tiles and per-slot position terms.
+    """
+    per_token = (
+        16 * config.dim
+        + 4 * config.ffn_hidden_dim
+        + config.vocab_size
+        + 2 * config.n_heads * min(config.block_k, capacity)
+    )
+    return 4 * (chunk_size * per_token + config.n_heads * capacity)
 
 
 def random_model(config: ModelConfig, seed: int = 0) -> Transformer:

@@ -23,7 +23,7 @@ from bam_jax.passkey import (
     build_passkey_samples,
     passkey_template,
 )
-from eval.chunked import ChunkedScorer, capacity_bucket
+from eval.chunked import ChunkedScorer, capacity_bucket, check_sample_memory
 from eval.results import ResultStore
 
 
@@ -96,11 +96,15 @@ def score_samples(
 
 
 def auto_batch_size(
-    n_samples: int, cache_bytes_per_slot: int, capacity: int, memory_budget_bytes: int
+    n_samples: int,
+    cache_bytes_per_slot: int,
+    capacity: int,
+    memory_budget_bytes: int,
+    activation_bytes: int = 0,
 ) -> int:
-    """Samples per batch: as many as fit the budget (cache dominates), at least one, split
-    evenly so the last batch is not much smaller (it is padded to the same shape)."""
-    per_row = max(1, cache_bytes_per_slot * capacity)
+    """Samples per batch: as many as fit the budget (cache and activations), at least one,
+    split evenly so the last batch is not much smaller (it is padded to the same shape)."""
+    per_row = max(1, cache_bytes_per_slot * capacity + activation_bytes)
     largest = int(max(1, min(n_samples, memory_budget_bytes // per_row)))
     n_batches = -(-n_samples // largest)
     return -(-n_samples // n_batches)
@@ -146,6 +150,7 @@ def evaluate_passkey(
     patience: int | None = None,
     batch_size: int | None = None,
     cache_bytes_per_slot: int = 0,
+    activation_bytes: int = 0,
     memory_budget_bytes: int = 4 << 30,
     shared_capacity_bytes: int = 512 << 20,
     train_length: int | None = None,
@@ -155,10 +160,18 @@ def evaluate_passkey(
     """Accuracy per length (ascending), computing only lengths not yet in ``store``.
 
     Stops after ``patience`` consecutive lengths at 0% (stored ones count too).
-    ``batch_size`` None picks the largest batch whose cache fits ``memory_budget_bytes``.
+    ``batch_size`` None picks the largest batch whose memory (KV cache plus
+    ``activation_bytes`` per sample) fits ``memory_budget_bytes``; a length whose one sample
+    does not fit is refused before any work.
     When one sample's cache for the longest length fits ``shared_capacity_bytes``, every
     length uses that capacity and one batch size, so the steps compile once per sweep.
     """
+
+    def fitting_batch(n_samples: int, capacity: int) -> int:
+        return auto_batch_size(
+            n_samples, cache_bytes_per_slot, capacity, memory_budget_bytes, activation_bytes
+        )
+
     template = passkey_template(tokenizer, prefix_digits=settings.prefix_digits)
     lengths = sorted(set(int(n) for n in lengths))
     for n in lengths:
@@ -169,12 +182,18 @@ def evaluate_passkey(
             tokenizer, settings.prefix_digits
         )
         capacity = capacity_bucket(longest, scorer.chunk_size)
+        check_sample_memory(
+            f"passkey length {todo[-1]} ({longest} tokens)",
+            capacity,
+            cache_bytes_per_slot,
+            activation_bytes,
+            memory_budget_bytes,
+            "evaluate shorter lengths (--lengths / --multiples) or raise --memory-gb",
+        )
         if cache_bytes_per_slot * capacity <= shared_capacity_bytes:
             scorer.min_capacity = capacity
             if batch_size is None:
-                batch_size = auto_batch_size(
-                    settings.n_samples, cache_bytes_per_slot, capacity, memory_budget_bytes
-                )
+                batch_size = fitting_batch(settings.n_samples, capacity)
     bar = tqdm(
         total=len(todo) * settings.n_samples,
         disable=not progress or not todo,
@@ -193,8 +212,7 @@ def evaluate_passkey(
                 n,
                 settings,
                 batch_size,
-                cache_bytes_per_slot,
-                memory_budget_bytes,
+                fitting_batch,
                 train_length,
                 bar,
             ),
@@ -231,17 +249,14 @@ def _run_length(
     target_length: int,
     settings: PasskeySettings,
     batch_size: int | None,
-    cache_bytes_per_slot: int,
-    memory_budget_bytes: int,
+    fitting_batch: Callable[[int, int], int],
     train_length: int | None,
     bar: tqdm,
 ) -> dict[str, Any]:
+    """``fitting_batch(n_samples, capacity)``: the batch size when ``batch_size`` is None."""
     samples = samples_for_length(tokenizer, target_length, settings)
     if batch_size is None:
-        capacity = scorer.capacity_for(len(samples[0].tokens))
-        batch_size = auto_batch_size(
-            len(samples), cache_bytes_per_slot, capacity, memory_budget_bytes
-        )
+        batch_size = fitting_batch(len(samples), scorer.capacity_for(len(samples[0].tokens)))
     correct: list[bool] = []
     predicted: list[np.ndarray] = []
     start = time.perf_counter()
