@@ -7,7 +7,8 @@ the same function:
 - "blockwise": flash-style online softmax over key blocks; the prior is evaluated per
   tile from positions, so no T x S array is ever built.
 - "pallas": fused Pallas kernel (GPU/Triton, TPU/Mosaic) with the prior computed in the
-  tile loop; see bam_jax/pallas_attention.py.
+  tile loop; see bam_jax/pallas_attention.py. Opt-in: `default_implementation` picks it
+  only on device kinds where bench/accelerator_check.py has passed (docs/accelerators.md).
 
 Positions: key slot s sits at position s; query t sits at `query_offset + t`. With a KV
 cache of capacity S, unfilled slots lie in the future of every query and are masked by
@@ -30,6 +31,21 @@ from bam_jax.priors import Prior
 
 Implementation = Literal["reference", "blockwise", "pallas"]
 PADDING_SEGMENT = -1
+# Device kinds (`jax.Device.device_kind`) on which the compiled Pallas kernels passed
+# bench/accelerator_check.py; the evidence (device, date, table) is in docs/accelerators.md.
+PALLAS_VALIDATED_DEVICES: tuple[str, ...] = ()
+
+
+def default_implementation(device: jax.Device | None = None) -> Implementation:
+    """The implementation to use when none is chosen: "pallas" on a GPU or TPU whose kind
+    is in PALLAS_VALIDATED_DEVICES, "blockwise" everywhere else.
+
+    `device` defaults to the first device of the default backend.
+    """
+    device = jax.devices()[0] if device is None else device
+    if device.platform in ("gpu", "tpu") and device.device_kind in PALLAS_VALIDATED_DEVICES:
+        return "pallas"
+    return "blockwise"
 
 
 def dot_product_attention(

@@ -39,6 +39,9 @@ from bam_jax.attention import (
     log_visible_count,
     visible_key_counts,
 )
+from bam_jax.attention import (  # re-exported: callers import it from this module
+    default_implementation as default_implementation,
+)
 from bam_jax.kernels.backward import attention_backward
 from bam_jax.kernels.gpu import gpu_forward
 from bam_jax.kernels.tile_math import (
@@ -55,11 +58,6 @@ from bam_jax.priors import AlibiPrior, GGDPrior, Prior
 GPU_MAX_BLOCK_Q = 128
 GPU_MAX_BLOCK_K = 64
 TPU_LANES = 128
-
-
-def default_implementation() -> str:
-    """The implementation to use by default: "pallas" on GPU and TPU, "blockwise" elsewhere."""
-    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "blockwise"
 
 
 def pallas_attention(

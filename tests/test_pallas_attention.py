@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bam_jax import attention
 from bam_jax.attention import (
     dot_product_attention,
     reference_attention,
@@ -286,9 +287,22 @@ def test_no_queries_or_no_keys_give_zeros() -> None:
         np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 
-def test_dispatch_and_default_implementation() -> None:
-    expected = "pallas" if jax.default_backend() in ("gpu", "tpu") else "blockwise"
-    assert default_implementation() == expected
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    platform: str
+    device_kind: str
+
+
+def test_dispatch_and_default_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Blockwise everywhere until a device kind has passed bench/accelerator_check.py.
+    assert default_implementation() == "blockwise"
+    h200 = FakeDevice("gpu", "NVIDIA H200")
+    assert default_implementation(h200) == "blockwise"
+    assert default_implementation(FakeDevice("tpu", "TPU v5 lite")) == "blockwise"
+    monkeypatch.setattr(attention, "PALLAS_VALIDATED_DEVICES", ("NVIDIA H200",))
+    assert default_implementation(h200) == "pallas"
+    assert default_implementation(FakeDevice("gpu", "NVIDIA A100-SXM4-80GB")) == "blockwise"
+    assert default_implementation(FakeDevice("cpu", "NVIDIA H200")) == "blockwise"
     if jax.default_backend() == "cpu":
         case = Case(q_len=8)
         inputs = make_inputs(case)
