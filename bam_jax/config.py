@@ -56,10 +56,17 @@ class ModelConfig:
     Other fields: `n_kv_heads` (None = n_heads) for grouped-query attention;
     `ssmax_prior_inside` puts the BAM prior inside the SSMax scaling (spec section 4);
     `local_window` is the rope_local window (None = max_seq_len, as in the reference);
-    `dtype` the compute dtype (parameters stay float32; priors, norms and softmax run in
-    float32); `attention_impl`, `block_q`, `block_k` select the attention kernel;
+    `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below);
+    `attention_impl`, `block_q`, `block_k` select the attention kernel;
     `remat` rematerialises each block in the backward pass; `scan_layers` stacks the
     blocks and scans over them (faster compilation of deep models).
+
+    Precision: parameters are stored in float32 whatever `dtype` is. Under "bfloat16" the
+    embeddings and the residual stream stay float32; the inputs of every matmul (the
+    q/k/v/o projections, the feed-forward and the output layer) are cast to bfloat16, and
+    the layers that write to the residual stream (wo, w2) and the output layer accumulate
+    and return float32. Attention logits, softmax, the priors, the norms, the logits and
+    the loss are float32.
     """
 
     vocab_size: int = 32768

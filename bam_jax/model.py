@@ -10,6 +10,10 @@ Variable types: trainable prior parameters are `PriorParam`, SSMax scales `SSMax
 (both `nnx.Param`), frozen ones `PriorConstant` (an `nnx.Variable`, so optimizers that
 filter on `nnx.Param` skip them). Every variable carries logical axis names as
 `out_sharding` metadata (not applied eagerly; a sharding table maps them to a mesh).
+
+Precision: parameters, embeddings and the residual stream are float32; `config.dtype` is
+the dtype the matmuls multiply in, and wo, w2 and the output layer accumulate and return
+float32 (the policy is spelled out in ModelConfig's docstring and docs/precision.md).
 """
 
 from __future__ import annotations
@@ -58,13 +62,27 @@ def _annotated(init: Callable, axes: Axes) -> Callable:
     return nnx.with_metadata(init, out_sharding=axes, eager_sharding=False)
 
 
-def _linear(in_dim: int, out_dim: int, axes: Axes, config: ModelConfig, rngs: nnx.Rngs):
+def _linear(
+    in_dim: int,
+    out_dim: int,
+    axes: Axes,
+    config: ModelConfig,
+    rngs: nnx.Rngs,
+    *,
+    float32_result: bool = False,
+) -> nnx.Linear:
+    """A bias-free linear layer: float32 kernel, inputs and kernel cast to the compute dtype.
+
+    float32_result: accumulate and return in float32 (layers that write to the residual
+    stream, and the output layer); otherwise the result is in the compute dtype.
+    """
     return nnx.Linear(
         in_dim,
         out_dim,
         use_bias=False,
         dtype=jnp.dtype(config.dtype),
         param_dtype=jnp.float32,
+        preferred_element_type=jnp.float32 if float32_result else None,
         kernel_init=_annotated(_torch_linear_init, axes),
         rngs=rngs,
     )
@@ -76,7 +94,7 @@ def _positional_variable(value: jax.Array, trainable: bool, param_type: type) ->
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, normalised in float32, returned in the compute dtype."""
+    """x / rms(x) * weight, computed in float32, returned in `dtype` (the input of a matmul)."""
 
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
         self.eps = eps
@@ -88,7 +106,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         x = x_BxTxD.astype(jnp.float32)
         normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return normed.astype(self.dtype) * self.weight[...].astype(self.dtype)
+        return (normed * self.weight[...].astype(jnp.float32)).astype(self.dtype)
 
 
 class AttentionPrior(nnx.Module):
@@ -127,7 +145,9 @@ class Attention(nnx.Module):
         self.wq = _linear(config.dim, q_dim, ("embed", "q_heads"), config, rngs)
         self.wk = _linear(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
         self.wv = _linear(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
-        self.wo = _linear(q_dim, config.dim, ("q_heads", "embed"), config, rngs)
+        self.wo = _linear(
+            q_dim, config.dim, ("q_heads", "embed"), config, rngs, float32_result=True
+        )
         self.seq_scale = (
             _positional_variable(
                 jnp.ones((config.n_heads,), jnp.float32), config.train_ssmax_scale, SSMaxParam
@@ -203,7 +223,7 @@ class FeedForward(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         hidden = config.ffn_hidden_dim
         self.w1 = _linear(config.dim, hidden, ("embed", "mlp"), config, rngs)
-        self.w2 = _linear(hidden, config.dim, ("mlp", "embed"), config, rngs)
+        self.w2 = _linear(hidden, config.dim, ("mlp", "embed"), config, rngs, float32_result=True)
         self.w3 = _linear(config.dim, hidden, ("embed", "mlp"), config, rngs)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -302,7 +322,9 @@ class Transformer(nnx.Module):
                 [TransformerBlock(config, rngs=rngs) for _ in range(config.n_layers)]
             )
         self.norm = RMSNorm(config.dim, config.norm_eps, jnp.dtype(config.dtype))
-        self.output = _linear(config.dim, config.vocab_size, ("embed", "vocab"), config, rngs)
+        self.output = _linear(
+            config.dim, config.vocab_size, ("embed", "vocab"), config, rngs, float32_result=True
+        )
         global_prior = config.base_encoding == "bam" and config.global_prior
         self.prior = AttentionPrior(config, rngs=rngs) if global_prior else None
 
@@ -356,7 +378,6 @@ class Transformer(nnx.Module):
             h_BxTxD = h_BxTxD + sinusoidal_embedding(
                 positions_T, cfg.dim, theta=cfg.sinusoidal_theta
             )
-        h_BxTxD = h_BxTxD.astype(cfg.dtype)
         prior = None if self.prior is None else self.prior()
 
         if cfg.scan_layers:
