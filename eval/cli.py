@@ -122,7 +122,13 @@ def _inference_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=positive, default=512, help="prefill chunk (tokens)")
     parser.add_argument("--block-q", type=positive, default=None, help="attention query block")
     parser.add_argument("--block-k", type=positive, default=None, help="attention key block")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype, whatever the model was trained in (default float32; bfloat16 "
+        "multiplies in bfloat16 and keeps the residual stream, softmax and logits float32)",
+    )
     parser.add_argument("--batch-size", type=positive, default=None, help="default: by memory")
     parser.add_argument(
         "--memory-gb",
@@ -196,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = [m.name for m in models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must differ, got {names}; name them NAME=PATH")
+        if "dtype" in args:
+            print(f"compute dtype: {args.dtype} (parameters float32)")
         return {"passkey": run_passkey, "perplexity": run_perplexity, "prior": run_prior}[
             args.command
         ](args, models)
