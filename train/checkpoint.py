@@ -9,6 +9,11 @@ Each checkpoint `WORKDIR/checkpoints/STEP/` holds
 
 A checkpoint that cannot be used is never deleted: `Checkpointer.set_aside` renames it to
 `STEP.REASON` (orbax ignores names that are not a step number).
+
+WORKDIR may be a URL of any scheme etils.epath supports (gs://, s3://, ...), passed to orbax
+untouched; `file://` URLs and everything else are local paths. The data position saved with
+a checkpoint is the number of global batches read, the same on every process, so a
+checkpoint restores on another mesh and on another number of processes.
 """
 
 from __future__ import annotations
@@ -18,12 +23,17 @@ import dataclasses
 import functools
 import json
 import os
+import pathlib
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from bam_jax.config import ModelConfig
@@ -34,6 +44,7 @@ from train.state import ModelParts, TrainState, init_state
 
 CHECKPOINT_DIR = "checkpoints"
 _MAX_REASON_CHARS = 300
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 preservation = ocp.checkpoint_managers.preservation_policy
 
@@ -42,21 +53,51 @@ class IteratorSnapshot:
     """An iterator state captured when the save starts, so an asynchronous save cannot see
     the iterator after it has moved on."""
 
-    def __init__(self, state: dict | None = None):
+    def __init__(self, state: dict):
         self.state = state
 
     def get_state(self) -> bytes:
         return json.dumps(self.state).encode()
 
-    def set_state(self, state: bytes) -> None:
-        self.state = json.loads(state)
 
-    def start_prefetch(self) -> None:
-        """Part of the interface grain's restore calls; nothing to prefetch."""
+def is_url(location: str | os.PathLike) -> bool:
+    """Whether `location` is a URL (`scheme://...`); `run:1` or `a:b` are local names."""
+    return _URL.match(os.fspath(location)) is not None
 
 
-def checkpoint_dir(workdir: str) -> str:
-    return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+def run_path(location: str | os.PathLike) -> epath.Path:
+    """A workdir (or a file in it) as an epath: URLs untouched, `file://` URLs and other
+    locations as absolute local paths. ValueError for a scheme epath cannot write to."""
+    text = os.fspath(location)
+    if not text:
+        raise ValueError("workdir: empty; expected a directory or a URL")
+    if text.lower().startswith("file://"):
+        return epath.Path(pathlib.Path(local_path_of_file_url(text, "workdir")))
+    if not is_url(text):
+        # Through pathlib, so that a local name holding "://" is never taken for a URL.
+        return epath.Path(pathlib.Path(os.path.abspath(text)))
+    try:
+        return epath.Path(text)
+    except KeyError:
+        scheme = text.split("://", 1)[0]
+        raise ValueError(
+            f"workdir: {text!r} has the URL scheme {scheme}://, which etils.epath does not "
+            "support; use gs://, s3://, az://, hf://, file:// or a local path"
+        ) from None
+
+
+def local_path_of_file_url(url: str, field: str) -> str:
+    """The local path of a `file://` URL (`file:///tmp/x`, `file://localhost/tmp/x`)."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost") or not parts.path:
+        raise ValueError(
+            f"{field}: {url!r} is not a local file URL; expected file:///ABSOLUTE/PATH"
+        )
+    return url2pathname(parts.path)
+
+
+def checkpoint_dir(workdir: str | os.PathLike) -> str:
+    return os.fspath(run_path(workdir) / CHECKPOINT_DIR)
 
 
 def error_summary(err: BaseException) -> str:
@@ -97,7 +138,7 @@ class _KeepStep:
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, cfg: TrainConfig):
+    def __init__(self, workdir: str | os.PathLike, cfg: TrainConfig):
         self.directory = checkpoint_dir(workdir)
         self._keep_good = _KeepStep()
         policies = [preservation.LatestN(cfg.keep_last), self._keep_good]
@@ -108,7 +149,7 @@ class Checkpointer:
             enable_async_checkpointing=cfg.async_checkpoint,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
 
     def steps(self) -> list[int]:
         return list(self.manager.all_steps())
@@ -117,7 +158,7 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return os.fspath(epath.Path(self.directory) / str(step))
 
     def save(
         self, step: int, state: TrainState, data_state: dict, config: dict, force: bool = False
@@ -136,15 +177,14 @@ class Checkpointer:
             return TrainConfig.from_dict(self.manager.restore(step, args=args)["config"])
 
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict]:
-        """State (with the shardings of `abstract_state`) and the data iterator state;
-        CheckpointReadError if they cannot be read."""
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(IteratorSnapshot()),
-        )
+        """State (with the shardings of `abstract_state`, on any mesh) and the data iterator
+        state (written by any number of processes); CheckpointReadError if they cannot be
+        read."""
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
         with explained_read_errors(self.step_dir(step)):
             restored = self.manager.restore(step, args=args)
-        return restored["state"], restored["data"].state
+            data_state = read_data_state(epath.Path(self.step_dir(step)) / "data")
+        return restored["state"], data_state
 
     def mark_good(self, step: int) -> None:
         """The state saved at `step` gave a finite loss: keep it even past `keep_last` until a
@@ -158,11 +198,11 @@ class Checkpointer:
         self.wait()
         base = f"{self.step_dir(step)}.{reason}"
         target, n = base, 1
-        while os.path.exists(target):
+        while epath.Path(target).exists():
             n += 1
             target = f"{base}-{n}"
         if jax.process_index() == 0:
-            os.rename(self.step_dir(step), target)
+            epath.Path(self.step_dir(step)).rename(target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"checkpoint set aside {step}")
         self.manager.reload()
@@ -178,18 +218,40 @@ class Checkpointer:
         self.manager.close()
 
 
+def read_data_state(data_dir: epath.Path) -> dict:
+    """The data iterator state saved in `data_dir` (one `process_I-of-N.json` per process).
+
+    This process's own file when the process count is unchanged; otherwise the state every
+    saving process wrote, which is the same on all of them (the number of global batches
+    read), so a run may resume on another number of processes.
+    """
+    own = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    if own.exists():
+        return json.loads(own.read_text())
+    files = sorted(data_dir.glob("process_*-of-*.json"))
+    states = {file.name: json.loads(file.read_text()) for file in files}
+    distinct = {json.dumps(state, sort_keys=True) for state in states.values()}
+    if len(distinct) != 1:
+        found = ", ".join(f"{name}: {state}" for name, state in states.items()) or "no files"
+        raise ValueError(
+            f"{data_dir} does not hold one data position for all processes ({found}); "
+            "resume with the process count that wrote it"
+        )
+    return next(iter(states.values()))
+
+
 @contextlib.contextmanager
-def _reader(workdir: str) -> Iterator[ocp.CheckpointManager]:
+def _reader(workdir: str | os.PathLike) -> Iterator[ocp.CheckpointManager]:
     """A manager that only reads: it creates no directory."""
     options = ocp.CheckpointManagerOptions(create=False)
-    manager = ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+    manager = ocp.CheckpointManager(epath.Path(checkpoint_dir(workdir)), options=options)
     try:
         yield manager
     finally:
         manager.close()
 
 
-def read_config(workdir: str, step: int | None = None) -> tuple[TrainConfig, int]:
+def read_config(workdir: str | os.PathLike, step: int | None = None) -> tuple[TrainConfig, int]:
     """The config stored with a checkpoint (the latest when `step` is None) and its step."""
     with _reader(workdir) as manager:
         step = manager.latest_step() if step is None else step
@@ -203,7 +265,9 @@ def read_config(workdir: str, step: int | None = None) -> tuple[TrainConfig, int
             return TrainConfig.from_dict(manager.restore(step, args=args)["config"]), step
 
 
-def load_model(workdir: str, step: int | None = None) -> tuple[ModelConfig, Transformer]:
+def load_model(
+    workdir: str | os.PathLike, step: int | None = None
+) -> tuple[ModelConfig, Transformer]:
     """The model of a training run's checkpoint (latest when `step` is None), on one device."""
     cfg, step = read_config(workdir, step)
     parts, _, _ = ModelParts.from_config(cfg.model)

@@ -1,6 +1,6 @@
 """Metrics: `WORKDIR/metrics.jsonl` (one JSON object per line), TensorBoard event files under
 `WORKDIR/tensorboard`, a progress bar, and model FLOPs utilisation where the device's peak is
-known.
+known. WORKDIR may be a URL (see `train.checkpoint.run_path`).
 
 A resumed run replays the steps after its checkpoint, so the records of those steps are
 dropped from `metrics.jsonl` when it starts; a `metrics.jsonl` deleted or replaced while the
@@ -14,8 +14,12 @@ from typing import IO, Any
 
 import jax
 import tqdm
+from etils import epath
 
 from bam_jax.config import ModelConfig
+from train.checkpoint import is_url, run_path
+
+METRICS_FILE = "metrics.jsonl"
 
 # Dense bfloat16 peak FLOP/s per device, by `device_kind` prefix.
 PEAK_FLOPS = {
@@ -50,48 +54,39 @@ def train_flops_per_token(config: ModelConfig, n_params: int) -> float:
 class MetricsWriter:
     """Writes on process 0 only; the other processes get a writer that does nothing."""
 
-    def __init__(self, workdir: str, *, total_steps: int, start_step: int, progress_bar: bool):
+    def __init__(
+        self, workdir: str | os.PathLike, *, total_steps: int, start_step: int, progress_bar: bool
+    ):
         self.enabled = jax.process_index() == 0
-        self._jsonl = None
+        self._jsonl: _LocalLines | _RewrittenLines | None = None
         self._tb = None
         self._bar = None
         if not self.enabled:
             return
-        self._path = os.path.join(workdir, "metrics.jsonl")
-        keep_records_up_to(self._path, start_step)
-        self._jsonl = _open_for_append(self._path)
-        from tensorboardX import SummaryWriter
-
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        run = run_path(workdir)
+        keep_records_up_to(run / METRICS_FILE, start_step)
+        self._jsonl = _RewrittenLines(run) if is_url(run) else _LocalLines(run)
+        self._tb, notice = _tensorboard_writer(run / "tensorboard")
         if progress_bar:
             self._bar = tqdm.tqdm(
                 total=total_steps, initial=start_step, unit="step", dynamic_ncols=True
             )
+        if notice:
+            self.print(notice)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **values}
-        self._reopen_if_replaced()
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        for name, value in values.items():
-            if isinstance(value, int | float):
-                self._tb.add_scalar(name, value, step)
+        self._jsonl.append(json.dumps({"step": step, **values}) + "\n")
+        if self._tb is not None:
+            for name, value in values.items():
+                if isinstance(value, int | float):
+                    self._tb.add_scalar(name, value, step)
         if self._bar is not None and "loss" in values:
             postfix = {"loss": f"{values['loss']:.4f}"}
             if "tokens_per_s" in values:
                 postfix["tok/s"] = f"{values['tokens_per_s']:.0f}"
             self._bar.set_postfix(postfix, refresh=False)
-
-    def _reopen_if_replaced(self) -> None:
-        try:
-            same = os.path.samestat(os.stat(self._path), os.fstat(self._jsonl.fileno()))
-        except FileNotFoundError:
-            same = False
-        if not same:
-            self._jsonl.close()
-            self._jsonl = _open_for_append(self._path)
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
@@ -114,26 +109,89 @@ class MetricsWriter:
             self._jsonl.close()
 
 
+class _LocalLines:
+    """`metrics.jsonl` on a local disk, appended to; opened again when it was deleted or
+    replaced while the run writes."""
+
+    def __init__(self, run: epath.Path):
+        self._path = os.fspath(run / METRICS_FILE)
+        self._file = _open_for_append(self._path)
+
+    def append(self, line: str) -> None:
+        self._reopen_if_replaced()
+        self._file.write(line)
+        self._file.flush()
+
+    def _reopen_if_replaced(self) -> None:
+        try:
+            same = os.path.samestat(os.stat(self._path), os.fstat(self._file.fileno()))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            self._file.close()
+            self._file = _open_for_append(self._path)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _RewrittenLines:
+    """`metrics.jsonl` under a URL: object stores cannot append, so each record writes the
+    whole file again (its records from before the run started plus the new ones)."""
+
+    def __init__(self, run: epath.Path):
+        self._path = run / METRICS_FILE
+        self._text = self._path.read_text(encoding="utf-8") if self._path.exists() else ""
+
+    def append(self, line: str) -> None:
+        self._text += line
+        self._path.write_text(self._text, encoding="utf-8")
+
+    def close(self) -> None:
+        """Every record is already written."""
+
+
+def _tensorboard_writer(logdir: epath.Path) -> tuple[Any, str | None]:
+    """A TensorBoard writer for `logdir`, or None and a notice saying why there is none:
+    tensorboardX writes local directories, and gs:// or s3:// URLs when google-cloud-storage
+    or boto3 is installed."""
+    from tensorboardX import SummaryWriter, record_writer
+
+    location = os.fspath(logdir)
+    if is_url(location):
+        scheme = location.split("://", 1)[0]
+        needs = {"gs": ("GCS_ENABLED", "google-cloud-storage"), "s3": ("S3_ENABLED", "boto3")}
+        flag, package = needs.get(scheme, ("", ""))
+        if not getattr(record_writer, flag, False):
+            reason = f"install {package}" if package else f"it cannot write {scheme}:// URLs"
+            return None, (
+                f"metrics: no TensorBoard events under {location} (tensorboardX: {reason}); "
+                f"{METRICS_FILE} has every record"
+            )
+    return SummaryWriter(location), None
+
+
 def _open_for_append(path: str) -> IO[str]:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return open(path, "a", encoding="utf-8")
 
 
-def keep_records_up_to(path: str, step: int) -> None:
+def keep_records_up_to(path: str | os.PathLike, step: int) -> None:
     """Drop the records of steps after `step` and unreadable lines (a write cut short) from
     a metrics file, atomically: the file is rewritten to a temporary name and renamed."""
-    if not os.path.exists(path):
+    path = epath.Path(path)
+    if not path.exists():
         return
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
     steps = [_record_step(line) for line in lines]
     kept = [line for line, s in zip(lines, steps, strict=True) if s is not None and s <= step]
-    if len(kept) == len(lines):
+    ends_complete = not text or text.endswith("\n")
+    if len(kept) == len(lines) and ends_complete:
         return
-    temporary = f"{path}.tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.writelines(line + "\n" for line in kept)
-    os.replace(temporary, path)
+    temporary = path.parent / f"{path.name}.tmp"
+    temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    temporary.replace(path)
 
 
 def _record_step(line: str) -> int | None:
@@ -145,7 +203,7 @@ def _record_step(line: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def read_metrics(workdir: str) -> list[dict[str, Any]]:
+def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of `WORKDIR/metrics.jsonl`."""
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    text = (run_path(workdir) / METRICS_FILE).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

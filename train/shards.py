@@ -13,6 +13,10 @@ Write them from a Hugging Face dataset (streamed from the hub, or saved with
 `Dataset.save_to_disk`) or from local .txt/.jsonl files:
 
   python -m train.shards --dataset=HuggingFaceFW/fineweb --subset=sample-10BT --out=DIR
+
+Shards are memory-mapped, so they are read from a file system: shards in a bucket are read
+from its mount (`gcsfuse --implicit-dirs BUCKET /mnt/BUCKET`, then data.path=/mnt/BUCKET/DIR)
+like any directory. A `file://` URL names its local path; other URLs are refused.
 """
 
 from __future__ import annotations
@@ -35,8 +39,27 @@ VERSION = 1
 SCAN_CHUNK = 1 << 24
 
 
+def local_shard_dir(path: str, field: str = "data.path") -> str:
+    """The directory `path` names on this machine's file system: a `file://` URL's path, a
+    plain path as it is; ValueError for any other URL, which cannot be memory-mapped."""
+    if "://" not in path:
+        return path
+    from train.checkpoint import is_url, local_path_of_file_url
+
+    if path.lower().startswith("file://"):
+        return local_path_of_file_url(path, field)
+    if not is_url(path):
+        return path
+    raise ValueError(
+        f"{field}: {path!r} is a URL, but shards are memory-mapped from a file system; mount "
+        "the bucket (for gs://: gcsfuse --implicit-dirs BUCKET /mnt/BUCKET) and use the "
+        "directory under the mount point, or copy the shards to a local disk"
+    )
+
+
 def read_meta(path: str) -> dict:
     """meta.json of a shard directory, checked to have the fields the readers use."""
+    path = local_shard_dir(path)
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
         raise ValueError(f"data.path: {path!r} is not a shard directory (no meta.json)")
@@ -83,6 +106,7 @@ def open_shards(path: str) -> list[tuple[np.ndarray, np.ndarray]]:
     them one vectorised pass per file (once per process). A bad shard is a ValueError naming
     the file, the first bad id and its position.
     """
+    path = local_shard_dir(path)
     meta = read_meta(path)
     return [_open_shard(path, shard, meta["vocab_size"]) for shard in meta["shards"]]
 
@@ -185,6 +209,7 @@ def write_shards(
         raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    out_dir = local_shard_dir(out_dir, "--out")
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         raise ValueError(
             f"{out_dir!r} already holds shards (meta.json), which are kept; write to a new "
