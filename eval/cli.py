@@ -256,6 +256,7 @@ def run_passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
                 seed=args.seed,
                 tokenizer=tokenizer.name,
                 checkpoint=m.checkpoint,
+                dtype=args.dtype,
             )
             scorer, config = _scorer(args, m)
             lengths = _lengths_for(args, m)
@@ -355,6 +356,7 @@ def run_perplexity(args: argparse.Namespace, models: list[EvalModel]) -> int:
             "packing": args.packing,
             "tokenizer": tokenizer.name,
             "checkpoint": m.checkpoint,
+            "dtype": args.dtype,
         }
         store = ResultStore(
             os.path.join(args.out, m.name, "perplexity.json"), m.info(), PERPLEXITY_FIELDS

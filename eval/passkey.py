@@ -37,6 +37,7 @@ class PasskeySettings:
     seed: int = 0
     tokenizer: str = ""
     checkpoint: str = ""
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:

@@ -14,6 +14,7 @@ position.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -221,3 +222,14 @@ def test_evaluation_runs_in_float32_unless_asked(tmp_path, monkeypatch, capsys, 
     assert scored_in == [expected]
     printed = capsys.readouterr().out.splitlines()
     assert f"compute dtype: {expected} (parameters float32)" in printed
+
+
+def test_results_of_each_dtype_are_kept_apart(tmp_path, monkeypatch):
+    run_dir = bfloat16_trained_run(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    argv = f"passkey {run_dir} --tokenizer byte --lengths 0 --samples 1 --no-plots --quiet"
+    for flag in ([], ["--dtype", "bfloat16"]):
+        assert eval_cli.main([*argv.split(), "--out", str(out), *flag]) == 0
+    with open(out / "run" / "passkey.json", encoding="utf-8") as f:
+        runs = json.load(f)["runs"]
+    assert sorted(run["settings"]["dtype"] for run in runs.values()) == ["bfloat16", "float32"]
