@@ -40,7 +40,14 @@ def test_quickstart_smoke(tmp_path, capsys):
     stale = tmp_path / "qs" / "bam_ssmax" / "passkey.json"
     stale.parent.mkdir(parents=True)
     old_key = str(tmp_path / "qs" / "runs" / "bam_ssmax") + "@2"
-    old_entry = {"accuracy": 7.0, "multiple": 1.0}
+    old_entry = {
+        "target_length": train_length,
+        "prompt_length": train_length - 12,
+        "multiple": 1.0,
+        "depths": [0.0],
+        "correct": [False],
+        "accuracy": 7.0,
+    }
     old_run = {"settings": {"checkpoint": old_key}, "entries": {str(train_length): old_entry}}
     stale.write_text(json.dumps({"model": {}, "runs": {"old": old_run}}))
     out = _run(tmp_path, "--steps", "2", "--multiples", "1,2", "--samples", "2")
