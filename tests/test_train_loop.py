@@ -242,3 +242,61 @@ def test_resuming_with_another_model_is_an_error(full_run, corpus):
     cfg = small_config(corpus)
     with pytest.raises(ValueError, match=r"another model .*'dim': \(32, 64\)"):
         train(cfg.replace(model=cfg.model.replace(dim=64)), workdir)
+
+
+def test_steps_that_do_not_log_read_nothing_back(tmp_path, corpus, monkeypatch):
+    """Metrics stay on the device between log and checkpoint steps: 8 steps logging every
+    4th read them back twice, not once per step."""
+    reads = []
+    device_get = jax.device_get
+
+    def counting_device_get(tree):
+        if "loss" in str(jax.tree.structure(tree)):
+            reads.append(tree)
+        return device_get(tree)
+
+    monkeypatch.setattr(train_loop.jax, "device_get", counting_device_get)
+    cfg = small_config(corpus, steps=8, log_every=4, checkpoint_every=8, eval_every=0)
+    result = train(cfg, str(tmp_path))
+    assert len(reads) == 2
+    assert [step for step, _ in losses(str(tmp_path))] == [4, 8]
+    assert result.last_loss == losses(str(tmp_path))[-1][1]
+
+
+def test_a_non_finite_step_between_log_steps_is_never_saved(tmp_path, corpus, monkeypatch):
+    workdir = str(tmp_path)
+    cfg = small_config(corpus, steps=8, log_every=5, checkpoint_every=2, eval_every=0)
+    train(cfg, workdir, stop_after=2)
+
+    def overflowing_optimizer(*args):
+        tx = make_optimizer(*args)
+
+        def update(grads, state, params=None):
+            updates, state = tx.update(grads, state, params)
+            return jax.tree.map(lambda u: u * np.inf, updates), state
+
+        return optax.GradientTransformation(tx.init, update)
+
+    monkeypatch.setattr(train_loop, "make_optimizer", overflowing_optimizer)
+    with pytest.raises(NonFiniteLossError, match=r"update of step 3 .* checkpoint is step 2"):
+        train(cfg, workdir)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+
+
+def test_throughput_leaves_out_the_compiling_first_step(tmp_path, corpus):
+    workdir = str(tmp_path)
+    train(small_config(corpus, steps=3, eval_every=0), workdir)
+    records = [r for r in read_metrics(workdir) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert "tokens_per_s" not in records[0] and "step_time_s" not in records[0]
+    assert all(r["tokens_per_s"] > 0 and r["step_time_s"] > 0 for r in records[1:])
+
+
+def test_data_is_read_by_threads_and_runs_stay_identical(tmp_path, corpus):
+    assert DataConfig().num_threads > 0 and DataConfig().prefetch > 0
+    cfg = small_config(corpus, steps=4, eval_every=2)
+    runs = [train(cfg, str(tmp_path / name)) for name in ("a", "b")]
+    assert losses(str(tmp_path / "a")) == losses(str(tmp_path / "b"))
+    assert val_losses(str(tmp_path / "a")) == val_losses(str(tmp_path / "b"))
+    for a, b in zip(*(jax.tree.leaves(r.state.params) for r in runs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

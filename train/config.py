@@ -97,7 +97,8 @@ class TrainConfig:
 
     `batch_size` sequences go through one forward/backward pass; gradients of
     `tokens_per_step / (batch_size * seq_len)` such passes are summed per optimizer step
-    (0 = one pass per step).
+    (0 = one pass per step). Every `eval_every` steps (0 = never) the validation loss is
+    taken over `eval_batches` micro-batches of `batch_size` rows.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.preset("tiny"))
@@ -299,6 +300,7 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
         )
     if cfg.data.source != "passkey" and not _path_exists(cfg.data.path):
         raise ValueError(f"data.path: {cfg.data.path!r} does not exist")
+    _check_validation_rows(cfg)
     vocab, origin = _data_vocab(cfg)
     if vocab > cfg.model.vocab_size:
         raise ValueError(
@@ -307,6 +309,18 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
         )
     if cfg.data.source != "shards":
         get_tokenizer(cfg.data.tokenizer)
+
+
+def _check_validation_rows(cfg: TrainConfig) -> None:
+    """Validation reads `eval_batches` micro-batches of `batch_size` rows from the
+    `data.val_rows` held-out rows (text and shards; passkey rows have their own seed)."""
+    needed = cfg.eval_batches * cfg.batch_size
+    if cfg.eval_every and cfg.data.source != "passkey" and cfg.data.val_rows < needed:
+        raise ValueError(
+            f"eval_batches: {cfg.eval_batches} validation batches of batch_size="
+            f"{cfg.batch_size} rows need data.val_rows >= {needed}, got {cfg.data.val_rows}; "
+            f"raise data.val_rows or lower eval_batches"
+        )
 
 
 def _path_exists(path: str) -> bool:

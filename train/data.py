@@ -62,7 +62,8 @@ class DataConfig:
     positions); passkey_loss "answer" trains the answer digits, "all" every token;
     passkey_lm_positions (with "answer") adds that many random prompt positions per row,
     trained on predicting their next token.
-    num_threads/prefetch: grain read threads and prefetch buffer (0 threads = in the loop).
+    num_threads/prefetch: grain read threads and prefetch buffer (0 threads = in the loop);
+    rows are read in order whatever the thread count, so runs stay deterministic.
     """
 
     source: str = "passkey"
@@ -79,7 +80,7 @@ class DataConfig:
     passkey_task_fraction: float = 1.0
     passkey_lm_positions: int = 0
     passkey_loss: str = "answer"
-    num_threads: int = 0
+    num_threads: int = 2
     prefetch: int = 2
 
     def __post_init__(self):
@@ -442,11 +443,18 @@ def train_iterator(
 def val_batches(
     cfg: DataConfig, seq_len: int, seed: int, layout: BatchLayout, n_batches: int
 ) -> list[Row]:
-    """The first `n_batches` validation batches (the same every time)."""
-    batches = local_batches(build_rows(cfg, seq_len, seed, "val"), layout)
+    """The validation set (the same every time): this process's rows of the first
+    `n_batches` micro-batches of `layout.batch_size` rows, each [1, local_batch, seq_len].
+
+    A validation batch is one micro-batch, not a whole optimizer step: evaluation needs no
+    gradient accumulation, so `n_batches * batch_size` held-out rows are enough.
+    """
+    micro = BatchLayout(1, layout.batch_size, layout.row_start, layout.row_count)
+    batches = local_batches(build_rows(cfg, seq_len, seed, "val"), micro)
     if len(batches) < n_batches:
         raise ValueError(
-            f"eval_batches: {n_batches} validation batches requested, data.val_rows gives "
-            f"{len(batches)}"
+            f"eval_batches: {n_batches} validation batches of batch_size={layout.batch_size} "
+            f"rows need {n_batches * layout.batch_size} held-out rows, data.val_rows gives "
+            f"{len(batches) * layout.batch_size}; raise data.val_rows or lower eval_batches"
         )
     return [batches[i] for i in range(n_batches)]

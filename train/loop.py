@@ -138,10 +138,11 @@ class Setup:
         return BatchLayout(self.cfg.accum_steps, self.cfg.batch_size, start, count)
 
     def global_batch(self, local: Batch) -> Batch:
-        accum, batch = self.global_batch_shape[:2]
+        """Device arrays of this process's [micro-batches, local rows, ...] arrays."""
+        batch = self.cfg.batch_size
         return {
             k: jax.make_array_from_process_local_data(
-                self.batch_sharding, np.asarray(v), (accum, batch, *np.shape(v)[2:])
+                self.batch_sharding, np.asarray(v), (np.shape(v)[0], batch, *np.shape(v)[2:])
             )
             for k, v in local.items()
         }
@@ -198,28 +199,126 @@ def build(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> Setup:
     )
 
 
+def validation_set(setup: Setup, layout: BatchLayout) -> Batch | None:
+    """The validation micro-batches as one global batch that the eval step scans over, put
+    on the devices once for the whole run; None when `eval_every` is 0."""
+    cfg = setup.cfg
+    if not cfg.eval_every:
+        return None
+    batches = val_batches(cfg.data, cfg.seq_len, cfg.seed, layout, cfg.eval_batches)
+    return setup.global_batch({k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+
+
+MEMORY_ADVICE = "raise mesh.fsdp, lower batch_size (more accumulation steps) or set model.remat"
+
+
 def dry_run(setup: Setup) -> dict[str, Any]:
-    """Compile the train step for the configured mesh; report parameters and memory."""
-    start = time.perf_counter()
-    compiled = setup.train_step.lower(
-        setup.abstract_sharded_state(), setup.abstract_batch()
-    ).compile()
+    """A full preflight: build what a real start builds and fail, with a ValueError, on what
+    would fail at step 1, without allocating the training state.
+
+    Reads the first training batch and the validation set, lowers and compiles the train
+    step and the eval step for the abstract sharded state and those batches, and compares
+    the memory one device needs at its peak with the device's memory where that is known
+    (accelerators; not the CPU).
+    """
+    cfg = setup.cfg
+    layout = setup.layout()
+    data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, layout)
+    train_batch = setup.global_batch(next(data))
+    val = validation_set(setup, layout)
+    state = setup.abstract_sharded_state()
+    train_compiled, train_s = _compile("train step", setup.train_step, state, train_batch)
     report: dict[str, Any] = {
         "params": count_params(setup.abstract_state.params),
         "mesh": dict(setup.mesh.shape),
         "devices": jax.device_count(),
-        "accum_steps": setup.cfg.accum_steps,
-        "compile_s": round(time.perf_counter() - start, 2),
+        "accum_steps": cfg.accum_steps,
+        "train_batch": _shape(train_batch),
+        "compile_s": train_s,
+        "per_device_bytes": _memory(train_compiled),
     }
-    memory = compiled.memory_analysis()
-    if memory is not None:
-        fields = ("argument", "output", "temp", "alias", "generated_code")
-        per_device = {f: int(getattr(memory, f"{f}_size_in_bytes", 0)) for f in fields}
-        per_device["total"] = (
-            per_device["argument"] + per_device["output"] + per_device["temp"]
-        ) - per_device["alias"]
-        report["per_device_bytes"] = per_device
+    peaks = [_plus(report["per_device_bytes"], _bytes_per_device(val))]
+    if val is not None:
+        eval_compiled, eval_s = _compile(
+            "eval step", setup.eval_step, state.params, state.consts, val
+        )
+        report["validation_batch"] = _shape(val)
+        report["eval_compile_s"] = eval_s
+        report["eval_per_device_bytes"] = _memory(eval_compiled)
+        peaks.append(_plus(report["eval_per_device_bytes"], _bytes_per_device(state.opt_state)))
+    report["peak_bytes"] = None if None in peaks else max(peaks)
+    report["device_bytes"] = device_memory_bytes()
+    _check_fits(report)
     return report
+
+
+def _compile(name: str, jitted: Callable, *args) -> tuple[Any, float]:
+    """The compiled program and its compile time; running out of memory while compiling is
+    a ValueError."""
+    start = time.perf_counter()
+    try:
+        compiled = jitted.lower(*args).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        first_line = str(err).strip().splitlines()[0]
+        raise ValueError(
+            f"memory: the {name} does not fit on a device ({first_line}); {MEMORY_ADVICE}"
+        ) from None
+    return compiled, round(time.perf_counter() - start, 2)
+
+
+def _shape(batch: Batch) -> tuple[int, ...]:
+    return tuple(batch["inputs"].shape)
+
+
+def _memory(compiled: Any) -> dict[str, int] | None:
+    """Bytes per device of a compiled program (None where the backend does not say)."""
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return None
+    fields = ("argument", "output", "temp", "alias", "generated_code")
+    per_device = {f: int(getattr(memory, f"{f}_size_in_bytes", 0)) for f in fields}
+    per_device["total"] = (
+        per_device["argument"] + per_device["output"] + per_device["temp"] - per_device["alias"]
+    )
+    return per_device
+
+
+def _plus(per_device: dict[str, int] | None, resident: int) -> int | None:
+    """A program's total bytes per device plus `resident` bytes held beside it."""
+    return None if per_device is None else per_device["total"] + resident
+
+
+def _bytes_per_device(tree: Any) -> int:
+    """Bytes of one device's shard of every (abstract or concrete) sharded array in `tree`."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of one local device, where the backend reports it (accelerators, not CPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def _check_fits(report: dict[str, Any]) -> None:
+    """The peak of a device: the train step plus the validation set it keeps, or the eval
+    step plus the optimizer state, which stays in memory while it runs."""
+    peak, limit = report["peak_bytes"], report["device_bytes"]
+    if peak is not None and limit is not None and peak > limit:
+        raise ValueError(
+            f"memory: one device needs {_gib(peak)} at its peak (train step "
+            f"{_gib(report['per_device_bytes']['total'])}), a {jax.devices()[0].device_kind} "
+            f"has {_gib(limit)}; {MEMORY_ADVICE}"
+        )
+
+
+def _gib(n_bytes: int) -> str:
+    if n_bytes < 2**30:
+        return f"{n_bytes / 2**20:,.1f} MiB"
+    return f"{n_bytes / 2**30:,.2f} GiB"
 
 
 def format_dry_run(report: dict[str, Any]) -> str:
@@ -227,11 +326,28 @@ def format_dry_run(report: dict[str, Any]) -> str:
         f"parameters: {report['params']:,}",
         f"mesh: {report['mesh']} on {report['devices']} devices, "
         f"{report['accum_steps']} micro-batches per step",
-        f"compile time: {report['compile_s']} s",
+        f"train batch: {report['train_batch']}, compile time: {report['compile_s']} s",
     ]
-    for name, value in report.get("per_device_bytes", {}).items():
+    if "validation_batch" in report:
+        lines.append(
+            f"validation set: {report['validation_batch']}, "
+            f"eval step compile time: {report['eval_compile_s']} s"
+        )
+    for name, value in (report.get("per_device_bytes") or {}).items():
         lines.append(f"per-device {name}: {value / 2**20:,.1f} MiB")
+    if report.get("eval_per_device_bytes"):
+        eval_total = report["eval_per_device_bytes"]["total"]
+        lines.append(f"per-device eval step total: {eval_total / 2**20:,.1f} MiB")
+    lines.append(_fit_line(report["peak_bytes"], report["device_bytes"]))
     return "\n".join(lines)
+
+
+def _fit_line(peak: int | None, limit: int | None) -> str:
+    if peak is None:
+        return "per-device peak: not reported by this backend"
+    if limit is None:
+        return f"per-device peak: {_gib(peak)}; device memory unknown (not reported by the backend)"
+    return f"per-device peak: {_gib(peak)} of {_gib(limit)} device memory: fits"
 
 
 @dataclasses.dataclass
@@ -284,9 +400,7 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
     setup = build(cfg)
     layout = setup.layout()
     data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, layout)
-    val = []
-    if cfg.eval_every:
-        val = val_batches(cfg.data, cfg.seq_len, cfg.seed, layout, cfg.eval_batches)
+    val = validation_set(setup, layout)
     with contextlib.closing(Checkpointer(workdir, cfg)) as checkpointer:
         state, start, notes = _resume(setup, checkpointer, data, workdir)
         if jax.process_index() == 0:
@@ -399,20 +513,29 @@ def _abstract_as_saved(setup: Setup, saved: TrainConfig) -> TrainState:
 
 @dataclasses.dataclass
 class _Run:
-    """The loop of one `train` call and the bookkeeping around each step."""
+    """The loop of one `train` call and the bookkeeping around each step.
+
+    Steps are dispatched without waiting for the device: their metrics stay on the device
+    until a step that logs, validates, checkpoints or ends the run, where all of them are
+    read back at once and checked in order. A non-finite step is so found at most
+    `log_every` steps late, and always before a checkpoint is written, so a non-finite
+    state is never saved.
+    """
 
     setup: Setup
     workdir: str
     data: Any
-    val: list[Batch]
+    val: Batch | None
     checkpointer: Checkpointer
     writer: MetricsWriter
+    pending: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
+    last_loss: float | None = None
 
     def loop(self, state: TrainState, step: int, end: int, preemption: _Preemption):
         cfg = self.setup.cfg
         profiler = _ProfilerWindow(cfg.profile_start, cfg.profile_steps, self.workdir)
         self._window_start, self._window_steps = time.perf_counter(), 0
-        loss = None
+        first = step + 1
         try:
             while step < end:
                 profiler.before(step)
@@ -420,31 +543,55 @@ class _Run:
                 state, metrics = self.setup.train_step(state, batch)
                 step += 1
                 profiler.after(step)
-                loss = self._after_step(step, end, state, metrics)
+                if step == first:
+                    self._restart_window_after(metrics)
+                else:
+                    self._window_steps += 1
+                self._after_step(step, end, state, metrics)
                 if preemption.requested(step):
+                    self._flush(end)
                     self._save_unless_saved(step, state)
                     self.checkpointer.wait()
                     self.writer.print(f"SIGTERM: saved step {step} to {self.workdir}, exiting")
-                    return TrainResult(step, state, loss, preempted=True)
+                    return TrainResult(step, state, self.last_loss, preempted=True)
         finally:
             profiler.close()
+        self._flush(end)
         self._save_unless_saved(step, state)
         self.checkpointer.wait()
-        return TrainResult(step, state, loss)
+        return TrainResult(step, state, self.last_loss)
 
-    def _after_step(self, step: int, end: int, state: TrainState, metrics: dict) -> float:
-        """Check, log, validate and checkpoint after a step; returns the loss."""
+    def _restart_window_after(self, metrics: dict) -> None:
+        """Start timing once the first step, which compiles, has run."""
+        jax.block_until_ready(metrics)
+        self._window_start, self._window_steps = time.perf_counter(), 0
+
+    def _after_step(self, step: int, end: int, state: TrainState, metrics: dict) -> None:
+        """Check, log, validate and checkpoint after a step."""
         cfg = self.setup.cfg
-        metrics = jax.device_get(metrics)
-        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-        self._check_finite(step, loss, grad_norm, bool(metrics["state_finite"]))
-        self._log(step, end, loss, grad_norm, metrics)
-        if self.val and step % cfg.eval_every == 0:
+        self.pending.append((step, metrics))
+        validate = self.val is not None and step % cfg.eval_every == 0
+        save = step % cfg.checkpoint_every == 0
+        if validate or save or _logs(step, end, cfg.log_every):
+            self._flush(end)
+        if validate:
+            started = time.perf_counter()
             self.writer.write(step, {"val_loss": self._validate(state)})
+            self._window_start += time.perf_counter() - started
         self.writer.advance()
-        if step % cfg.checkpoint_every == 0:
+        if save:
             self._save(step, state)
-        return loss
+
+    def _flush(self, end: int) -> None:
+        """Read back the metrics of the steps not yet checked; check and log them in order."""
+        pending, self.pending = self.pending, []
+        values = jax.device_get([metrics for _, metrics in pending])
+        for (step, _), metrics in zip(pending, values, strict=True):
+            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            self._check_finite(step, loss, grad_norm, bool(metrics["state_finite"]))
+            self.last_loss = loss
+            if _logs(step, end, self.setup.cfg.log_every):
+                self._log(step, loss, grad_norm, metrics)
 
     def _save(self, step: int, state: TrainState, force: bool = False) -> None:
         config = self.setup.cfg.to_dict()
@@ -490,36 +637,46 @@ class _Run:
         path = self.checkpointer.set_aside(step, "nonfinite")
         return f" (checkpoint step {step}, whose parameters gave this, was moved to {path})"
 
-    def _log(self, step: int, end: int, loss: float, grad_norm: float, metrics: dict) -> None:
+    def _log(self, step: int, loss: float, grad_norm: float, metrics: dict) -> None:
+        """Write the record of a log step.
+
+        tokens_per_s, step_time_s and mfu are over the steps since the last record, leaving
+        out the first step of a `train` call (it compiles) and the time spent validating; a
+        record whose window holds no other step has none of them.
+        """
         cfg = self.setup.cfg
-        self._window_steps += 1
-        if step % cfg.log_every and step != end:
-            return
-        elapsed = time.perf_counter() - self._window_start
-        tokens_per_step = cfg.accum_steps * cfg.batch_size * cfg.seq_len
         record = {
             "loss": loss,
             "grad_norm": grad_norm,
             **learning_rates(cfg.optim, cfg.steps, step - 1),
+            "trained_tokens": float(metrics["trained_tokens"]),
+        }
+        if self._window_steps:
+            record.update(self._throughput(time.perf_counter() - self._window_start))
+        self.writer.write(step, record)
+        self._window_start, self._window_steps = time.perf_counter(), 0
+
+    def _throughput(self, elapsed: float) -> dict[str, float]:
+        cfg = self.setup.cfg
+        tokens_per_step = cfg.accum_steps * cfg.batch_size * cfg.seq_len
+        record = {
             "tokens_per_s": self._window_steps * tokens_per_step / elapsed,
             "step_time_s": elapsed / self._window_steps,
-            "trained_tokens": float(metrics["trained_tokens"]),
         }
         peak = device_peak_flops(jax.devices()[0])
         if peak is not None:
             n_params = count_params(self.setup.abstract_state.params)
             flops = train_flops_per_token(cfg.model, n_params) * tokens_per_step
             record["mfu"] = flops * self._window_steps / elapsed / (peak * jax.device_count())
-        self.writer.write(step, record)
-        self._window_start, self._window_steps = time.perf_counter(), 0
+        return record
 
     def _validate(self, state: TrainState) -> float:
-        loss_sum, count = 0.0, 0.0
-        for local in self.val:
-            batch = self.setup.global_batch(local)
-            part, n = self.setup.eval_step(state.params, state.consts, batch)
-            loss_sum, count = loss_sum + float(part), count + float(n)
-        return loss_sum / max(count, 1.0)
+        loss_sum, count = self.setup.eval_step(state.params, state.consts, self.val)
+        return float(loss_sum) / max(float(count), 1.0)
+
+
+def _logs(step: int, end: int, log_every: int) -> bool:
+    return step % log_every == 0 or step == end
 
 
 class _ProfilerWindow:
