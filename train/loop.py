@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
@@ -31,7 +32,10 @@ from train.checkpoint import (
     Checkpointer,
     CheckpointReadError,
     checkpoint_dir,
+    error_summary,
     explained_read_errors,
+    is_url,
+    run_path,
 )
 from train.config import TrainConfig, validate_for_runtime
 from train.data import BatchLayout, loss_positions_per_row, train_iterator, val_batches
@@ -396,7 +400,7 @@ def _in_main_thread() -> bool:
 def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> TrainResult:
     """Train to `cfg.steps` (or stop after `stop_after` steps, saving), resuming from the
     newest checkpoint in `workdir` that restores (see `_resume`)."""
-    _prepare_workdir(workdir)
+    workdir = _prepare_workdir(workdir)
     setup = build(cfg)
     layout = setup.layout()
     data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, layout)
@@ -404,8 +408,8 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
     with contextlib.closing(Checkpointer(workdir, cfg)) as checkpointer:
         state, start, notes = _resume(setup, checkpointer, data, workdir)
         if jax.process_index() == 0:
-            with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-                json.dump(cfg.to_dict(), f, indent=2)
+            config_json = json.dumps(cfg.to_dict(), indent=2)
+            (run_path(workdir) / "config.json").write_text(config_json, encoding="utf-8")
         writer = MetricsWriter(
             workdir, total_steps=cfg.steps, start_step=start, progress_bar=cfg.progress_bar
         )
@@ -420,17 +424,39 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
                 return run.loop(state, start, end, preemption)
 
 
-def _prepare_workdir(workdir: str) -> None:
-    """Create the run directory, or stop with a ValueError saying what is wrong with it."""
-    for path in (workdir, checkpoint_dir(workdir)):
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"workdir: {path!r} is a file, expected a directory")
+def _prepare_workdir(workdir: str) -> str:
+    """The run directory as every writer takes it (URLs untouched, local paths absolute),
+    created if local; a ValueError says what is wrong with it."""
+    path = run_path(workdir)
+    if is_url(path):
+        _check_remote_workdir(path)
+        return os.fspath(path)
+    local = os.fspath(path)
+    for directory in (local, checkpoint_dir(local)):
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ValueError(f"workdir: {directory!r} is a file, expected a directory")
     try:
-        os.makedirs(workdir, exist_ok=True)
+        os.makedirs(local, exist_ok=True)
     except OSError as err:
-        raise ValueError(f"workdir: cannot create {workdir!r}: {err.strerror or err}") from None
-    if not os.access(workdir, os.W_OK | os.X_OK):
-        raise ValueError(f"workdir: {workdir!r} is not writable")
+        raise ValueError(f"workdir: cannot create {local!r}: {err.strerror or err}") from None
+    if not os.access(local, os.W_OK | os.X_OK):
+        raise ValueError(f"workdir: {local!r} is not writable")
+    return local
+
+
+def _check_remote_workdir(path: epath.Path) -> None:
+    """One look at a URL workdir, so that a missing client library or an unreachable bucket
+    stops the run before it builds anything; writing is left to the first write."""
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except ImportError as err:
+        raise ValueError(f"workdir: {os.fspath(path)!r} needs a client library: {err}") from None
+    except Exception as err:  # each storage client raises its own types
+        raise ValueError(
+            f"workdir: cannot reach {os.fspath(path)!r}: {error_summary(err)}"
+        ) from None
+    if is_file:
+        raise ValueError(f"workdir: {os.fspath(path)!r} is a file, expected a directory")
 
 
 def _resume(
