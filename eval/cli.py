@@ -35,6 +35,7 @@ from eval.passkey import PasskeySettings, evaluate_passkey
 from eval.perplexity import PACKINGS, evaluate_perplexity, load_rows
 from eval.prior_inspect import figure_table, head_classes, prior_curves, prior_table
 from eval.results import ResultStore
+from train.checkpoint import quiet_orphaned_checkpoint_reads
 
 # What the tables and figures read from each stored entry.
 PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")
@@ -194,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _quiet_orphaned_checkpoint_reads()
+    quiet_orphaned_checkpoint_reads()
     try:
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             raise ValueError(f"--out {args.out!r} is a file, expected a folder for the results")
@@ -210,21 +211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"bam-eval: error: {e}", file=sys.stderr)
         return 2
-
-
-def _quiet_orphaned_checkpoint_reads() -> None:
-    """After a checkpoint fails to load, TensorStore finishes the reads still in flight and
-    hands them to Orbax's event loop, which is closed by then; each would print a traceback
-    after the one-line error. Those, and only those, are dropped."""
-    default_hook = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        error = unraisable.exc_value
-        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-            return
-        default_hook(unraisable)
-
-    sys.unraisablehook = hook
 
 
 def _scorer(args: argparse.Namespace, m: EvalModel):

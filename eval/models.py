@@ -25,6 +25,7 @@ from bam_jax.model import Transformer, reconfigure
 from bam_jax.pallas_attention import default_implementation
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
 from eval.chunked import ChunkedScorer
+from train.checkpoint import checkpoint_dir, error_summary, load_model, read_config, run_path
 
 REFERENCE_WEIGHTS = ("model.pt", "model.npz")
 
@@ -99,7 +100,7 @@ def load_eval_model(arg: str, *, step: int | None = None) -> EvalModel:
     """Loads a workdir checkpoint or a reference run; clear errors for anything else."""
     name, path, arg_step = parse_model_arg(arg)
     step = arg_step if arg_step is not None else step
-    if not os.path.isdir(path):
+    if not run_path(path).is_dir():
         raise ValueError(f"model {arg!r}: {path!r} is not a directory")
     if is_reference_run(path):
         evaluated = _load_reference(arg, name, path, step)
@@ -127,10 +128,8 @@ def _load_reference(arg: str, name: str, path: str, step: int | None) -> EvalMod
 
 
 def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel:
-    from train.checkpoint import checkpoint_dir, load_model, read_config
-
     directory = checkpoint_dir(path)
-    if not os.path.isdir(directory):
+    if not run_path(directory).is_dir():
         raise ValueError(
             f"model {arg!r}: {path!r} is neither a training workdir (no "
             f"{os.path.basename(directory)}/ folder) nor a reference run directory "
@@ -149,7 +148,7 @@ def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel
         )
         raise ValueError(
             f"model {arg!r}: checkpoint {os.path.join(directory, str(step))} cannot be read "
-            f"({_error_summary(error)}); it is damaged or incomplete: {fallback}"
+            f"({error_summary(error)}); it is damaged or incomplete: {fallback}"
         ) from error
     return EvalModel(name, path, "workdir", step, config, model, train_config.data.tokenizer)
 
@@ -172,25 +171,6 @@ def _checkpoint_step(arg: str, directory: str, step: int | None) -> int:
     if step not in steps:
         raise ValueError(f"model {arg!r}: no checkpoint at step {step} (steps: {steps})")
     return step
-
-
-def _error_summary(error: BaseException, limit: int = 300) -> str:
-    """The innermost cause on one line: Orbax wraps TensorStore's message, which names the
-    damaged file, in exceptions whose own text is a page of specification."""
-    seen = {id(error)}
-    while (inner := _cause(error)) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        error = inner
-    lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _cause(error: BaseException) -> BaseException | None:
-    """What ``error`` was raised from (``raise ... from None`` hides the context)."""
-    if error.__cause__ is not None or error.__suppress_context__:
-        return error.__cause__
-    return error.__context__
 
 
 def non_finite_parameters(model: nnx.Module, limit: int = 5) -> list[str]:

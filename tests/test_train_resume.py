@@ -238,3 +238,39 @@ def test_an_unusable_workdir_is_a_one_line_error(tmp_path, corpus, monkeypatch, 
     monkeypatch.setattr(loop, "build", _refuse_to_build)
     with pytest.raises(ValueError, match=rf"workdir: .*{problem}"):
         train(small_config(corpus), str(tmp_path / relative))
+
+
+def test_reads_orphaned_by_a_failed_restore_print_nothing(monkeypatch):
+    import sys
+    import types
+
+    from train.checkpoint import error_summary, quiet_orphaned_checkpoint_reads
+
+    passed_on = []
+    monkeypatch.setattr(sys, "unraisablehook", passed_on.append)
+    quiet_orphaned_checkpoint_reads()
+
+    def unraisable(error: BaseException):
+        return types.SimpleNamespace(
+            exc_type=type(error), exc_value=error, exc_traceback=None, err_msg=None, object=None
+        )
+
+    sys.unraisablehook(unraisable(RuntimeError("Event loop is closed")))
+    assert passed_on == []
+    sys.unraisablehook(unraisable(RuntimeError("something else")))
+    assert [str(u.exc_value) for u in passed_on] == ["something else"]
+
+    try:
+        try:
+            raise OSError("tensorstore: byte range [7, 9) of a file of size 0")
+        except OSError:
+            raise ValueError("a page of orbax spec\n...") from None
+    except ValueError as hidden:
+        assert error_summary(hidden) == "ValueError: a page of orbax spec"
+    try:
+        try:
+            raise OSError("tensorstore: byte range [7, 9) of a file of size 0")
+        except OSError:
+            raise ValueError("a page of orbax spec\n...")  # noqa: B904
+    except ValueError as wrapped:
+        assert error_summary(wrapped).startswith("OSError: tensorstore: byte range")

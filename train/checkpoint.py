@@ -25,6 +25,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -103,14 +104,36 @@ def checkpoint_dir(workdir: str | os.PathLike) -> str:
 def error_summary(err: BaseException) -> str:
     """One line saying why a checkpoint failed to load. Orbax wraps tensorstore's message
     (which names the file and the damage) in an exception whose own text is a page of spec,
-    so the innermost explicit cause (`raise ... from`) is the informative one."""
+    so the innermost cause is the informative one."""
     seen = {id(err)}
-    while err.__cause__ is not None and id(err.__cause__) not in seen:
-        err = err.__cause__
+    while (inner := _cause(err)) is not None and id(inner) not in seen:
+        err = inner
         seen.add(id(err))
     lines = str(err).strip().splitlines()
     text = f"{type(err).__name__}: {lines[0] if lines else 'no message'}"
     return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
+
+
+def _cause(err: BaseException) -> BaseException | None:
+    """What `err` was raised from, or during (`raise ... from None` hides the latter)."""
+    if err.__cause__ is not None or err.__suppress_context__:
+        return err.__cause__
+    return err.__context__
+
+
+def quiet_orphaned_checkpoint_reads() -> None:
+    """After a checkpoint fails to load, TensorStore finishes the reads still in flight and
+    hands them to Orbax's event loop, which is closed by then; each would print a traceback
+    after the one-line error. Those, and only those, are dropped."""
+    default_hook = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        default_hook(unraisable)
+
+    sys.unraisablehook = hook
 
 
 class CheckpointReadError(ValueError):

@@ -429,7 +429,10 @@ def run(argv: list[str]) -> int:
         print("error: --workdir is required", file=sys.stderr)
         return 2
     initialize_distributed(flag_values)
+    from train.checkpoint import quiet_orphaned_checkpoint_reads
     from train.loop import NonFiniteLossError, build, dry_run, format_dry_run, train
+
+    quiet_orphaned_checkpoint_reads()
 
     try:
         if flag_values.dry_run:
