@@ -185,6 +185,17 @@ def test_shards_without_an_id_range_are_scanned(shard_dir, bad_id):
         shards.open_shards(shard_dir)
 
 
+@pytest.mark.parametrize("bad_id", [300, -1])
+def test_a_shard_damaged_after_its_id_range_was_recorded_fails_when_read(shard_dir, bad_id):
+    file = put_token(shard_dir, "shard-00000", 70, bad_id)
+    cfg = DataConfig(source="shards", path=shard_dir, val_rows=4)
+    rows = build_rows(cfg, 32, 0, "val")
+    rows[0]
+    expected = rf"^{file}: token id {bad_id} at position 70, outside the vocabulary \[0, 259\)"
+    with pytest.raises(ValueError, match=expected):
+        rows[2]
+
+
 def test_shards_without_an_id_range_are_scanned_once(shard_dir):
     edit_meta(shard_dir, without_id_range)
     n_shards = len(shards.read_meta(shard_dir)["shards"])

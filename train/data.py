@@ -217,8 +217,15 @@ class TokenStreamRows:
     trained on (the EOS -> next BOS step).
     """
 
-    def __init__(self, streams: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int):
-        self.streams, self.seq_len = list(streams), seq_len
+    def __init__(
+        self,
+        streams: Sequence[tuple[np.ndarray, np.ndarray]],
+        seq_len: int,
+        vocab_size: int | None = None,
+    ):
+        """With `vocab_size`, every row's ids are checked against [0, vocab_size) as it is
+        read (two reductions over a row; a shard damaged after its ids were recorded)."""
+        self.streams, self.seq_len, self.vocab_size = list(streams), seq_len, vocab_size
         rows = [max((len(tokens) - 1) // seq_len, 0) for tokens, _ in self.streams]
         self.first_row = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
 
@@ -233,6 +240,8 @@ class TokenStreamRows:
         tokens, doc_starts = self.streams[shard]
         start = (index - int(self.first_row[shard])) * self.seq_len
         window = np.asarray(tokens[start : start + self.seq_len + 1], dtype=np.int32)
+        if self.vocab_size is not None:
+            self._check_ids(shard, start, window)
         doc_of = np.searchsorted(doc_starts, np.arange(start, start + self.seq_len + 1), "right")
         doc_of = doc_of.astype(np.int64) - 1
         segment = (doc_of - doc_of[0]).astype(np.int32)
@@ -245,6 +254,18 @@ class TokenStreamRows:
             ),
             "loss_mask": (segment[1:] == segment[:-1]).astype(np.float32),
         }
+
+    def _check_ids(self, shard: int, start: int, window: np.ndarray) -> None:
+        if window.min() >= 0 and window.max() < self.vocab_size:
+            return
+        offset = int(np.flatnonzero((window < 0) | (window >= self.vocab_size))[0])
+        tokens = self.streams[shard][0]
+        source = getattr(tokens, "filename", None) or f"shard {shard}"
+        raise ValueError(
+            f"{source}: token id {window[offset]} at position {start + offset}, outside the "
+            f"vocabulary [0, {self.vocab_size}); the data is damaged or was written with "
+            "another tokenizer: write the shards again with `python -m train.shards`"
+        )
 
 
 def text_files(path: str) -> list[str]:
@@ -390,9 +411,10 @@ def build_rows(cfg: DataConfig, seq_len: int, seed: int, split: str) -> grain.Ma
 
 def _stream_rows(cfg: DataConfig, seq_len: int) -> TokenStreamRows:
     if cfg.source == "shards":
-        from train.shards import open_shards
+        from train.shards import open_shards, read_meta
 
-        return TokenStreamRows(open_shards(cfg.path), seq_len)
+        vocab_size = read_meta(cfg.path)["vocab_size"]
+        return TokenStreamRows(open_shards(cfg.path), seq_len, vocab_size)
     tokenizer = get_tokenizer(cfg.tokenizer)
     docs = located_documents(text_files(cfg.path), cfg.text_key)
     stream = tokenize_documents(docs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos)
