@@ -113,11 +113,25 @@ def break_iterator_json(step_dir: str) -> None:
     pathlib.Path(f"{step_dir}/data/process_0-of-1.json").write_text('{"next_index": 1')
 
 
+def nan_values(step_dir: str) -> None:
+    """Arrays that decode without error into NaN, as damage inside a value can."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    state = checkpointer.restore(f"{step_dir}/state")
+    state = jax.tree.map(lambda x: x * np.nan if np.issubdtype(x.dtype, np.floating) else x, state)
+    shutil.rmtree(f"{step_dir}/state")
+    checkpointer.save(f"{step_dir}/state", state)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+
+
 DAMAGES = {
     "array_file_truncated": truncate_array_file,
     "array_bytes_flipped": flip_array_bytes,
     "empty_metadata": empty_metadata,
     "broken_iterator_json": break_iterator_json,
+    "nan_values": nan_values,
 }
 
 

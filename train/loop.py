@@ -498,6 +498,11 @@ def _restore(
     saved = checkpointer.read_config(step)
     _check_same_model(setup.cfg, saved, workdir)
     state, data_state = checkpointer.restore(step, _abstract_as_saved(setup, saved))
+    if not bool(jax.jit(_all_finite)(state)):
+        raise CheckpointReadError(
+            f"checkpoint: {checkpointer.step_dir(step)} cannot be read: it holds NaN or "
+            "infinite values (a damaged file that still decodes)"
+        )
     with explained_read_errors(checkpointer.step_dir(step)):
         data.set_state(data_state)
     opt_leaves = jax.tree.leaves(state.opt_state)
