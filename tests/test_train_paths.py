@@ -26,6 +26,7 @@ from train.checkpoint import (
     read_config,
     run_path,
 )
+from train.config import validate_for_runtime
 from train.data import DataConfig
 from train.loop import train
 from train.metrics import MetricsWriter, read_metrics
@@ -215,6 +216,19 @@ def test_shards_behind_a_url_are_refused_with_the_mount_to_use(tmp_path, monkeyp
     with pytest.raises(ValueError, match=r"--out: 'gs://bucket/new' is a URL.*gcsfuse"):
         write_shards(["text"], "gs://bucket/new", get_tokenizer("byte"))
     assert os.listdir(tmp_path) == []
+
+
+def test_the_runtime_check_reads_shard_urls_as_the_readers_do(shard_dir):
+    micro = preset("micro")
+    model = micro.model.replace(vocab_size=259, max_seq_len=8)
+
+    def config(path: str):
+        data = DataConfig(source="shards", path=path, val_rows=1)
+        return micro.replace(model=model, data=data, eval_every=0)
+
+    validate_for_runtime(config(f"file://{shard_dir}"), 1)
+    with pytest.raises(ValueError, match=r"data.path: 'gs://bucket/shards' is a URL.*gcsfuse"):
+        validate_for_runtime(config("gs://bucket/shards"), 1)
 
 
 def _saved_checkpoint(workdir: str, data_state: dict) -> tuple[Checkpointer, dict]:

@@ -298,7 +298,12 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
             f"data.path is required for data.source={cfg.data.source!r} (text files, or shards "
             "written by `python -m train.shards`)"
         )
-    if cfg.data.source != "passkey" and not _path_exists(cfg.data.path):
+    data_path = cfg.data.path
+    if cfg.data.source == "shards":
+        from train.shards import local_shard_dir
+
+        data_path = local_shard_dir(data_path)
+    if cfg.data.source != "passkey" and not _path_exists(data_path):
         raise ValueError(f"data.path: {cfg.data.path!r} does not exist")
     _check_validation_rows(cfg)
     vocab, origin = _data_vocab(cfg)
