@@ -98,7 +98,8 @@ def test_preflight_fails_on_data_that_fails_at_step_one(corpus):
 
 def test_preflight_refuses_a_run_that_does_not_fit(corpus, monkeypatch):
     monkeypatch.setattr(train_loop, "device_memory_bytes", lambda: 2**20)
-    with pytest.raises(ValueError, match=r"memory: one device needs .* at its peak .* has 1.0 MiB; raise mesh.fsdp"):
+    expected = r"memory: one device needs .* at its peak .* has 1.0 MiB; raise mesh.fsdp"
+    with pytest.raises(ValueError, match=expected):
         dry_run(build(small_config(corpus)))
 
 

@@ -17,6 +17,7 @@ from etils.epath import testing as epath_testing
 
 from bam_jax.tokenizers import get_tokenizer
 from configs.presets import preset
+from tests.word_corpus import write_word_corpus
 from train import loop
 from train.checkpoint import (
     Checkpointer,
@@ -33,39 +34,14 @@ from train.metrics import MetricsWriter, read_metrics
 from train.shards import open_shards, read_meta, write_shards
 
 STEPS = 2
-WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "green", "blue", "sun", "sky")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """The two training runs compile the same programs: let them share a persistent cache."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    previous = {name: getattr(jax.config, name) for name in names}
-    values = (str(tmp_path_factory.mktemp("xla_cache")), 0, -1)
-    for name, value in zip(names, values, strict=True):
-        jax.config.update(name, value)
-    cc.reset_cache()
-    yield
-    for name, value in previous.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    with open(path, "w") as f:
-        for _ in range(100):
-            words = rng.choice(WORDS, size=int(rng.integers(5, 30)))
-            f.write(json.dumps({"text": " ".join(words) + "."}) + "\n")
-    return str(path)
+    return write_word_corpus(tmp_path_factory, 100)
 
 
 def small_config(corpus: str):

@@ -4,7 +4,6 @@ SIGTERM right after a checkpoint exits cleanly, and a bad workdir is a one-line 
 
 import dataclasses
 import glob
-import json
 import os
 import pathlib
 import shutil
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from configs.presets import preset
+from tests.word_corpus import write_word_corpus
 from train import loop
 from train.checkpoint import load_model, read_config
 from train.data import DataConfig
@@ -25,39 +25,14 @@ from train.metrics import MetricsWriter, read_metrics
 from train.state import ModelParts
 
 STEPS = 4
-WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "green", "blue", "sun", "sky")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """Runs of one config compile the same programs: let them share a persistent cache."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    previous = {name: getattr(jax.config, name) for name in names}
-    values = (str(tmp_path_factory.mktemp("xla_cache")), 0, -1)
-    for name, value in zip(names, values, strict=True):
-        jax.config.update(name, value)
-    cc.reset_cache()
-    yield
-    for name, value in previous.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    with open(path, "w") as f:
-        for _ in range(200):
-            words = rng.choice(WORDS, size=int(rng.integers(5, 30)))
-            f.write(json.dumps({"text": " ".join(words) + "."}) + "\n")
-    return str(path)
+def corpus(tmp_path_factory) -> str:
+    return write_word_corpus(tmp_path_factory, 200)
 
 
 def small_config(corpus, **changes):
@@ -184,7 +159,9 @@ def test_read_config_names_the_damaged_checkpoint(workdir):
         read_config(workdir, 2)
 
 
-@pytest.mark.parametrize("field", ["clip_norm", "weight_decay"])
+@pytest.mark.parametrize(
+    "field", ["clip_norm", pytest.param("weight_decay", marks=pytest.mark.slow)]
+)
 def test_optimizer_options_may_be_switched_off_on_resume(base_run, workdir, corpus, field):
     cfg = small_config(corpus)
     changed = cfg.replace(optim=dataclasses.replace(cfg.optim, **{field: 0.0}))
