@@ -1,4 +1,16 @@
-"""bam_jax: the Bayesian Attention Mechanism in JAX/Flax."""
+"""bam_jax: the Bayesian Attention Mechanism in JAX/Flax.
+
+Shape suffixes. Array names end in their shape, letters joined by "x"
+(`query_BxTxHxD`); these letters mean the same thing in every module of the project:
+
+    B  batch rows                      E  model (embedding) width
+    T  query positions                 F  feed-forward hidden width
+    S  key positions (cache capacity)  V  vocabulary size
+    H  query heads                     L  layers
+    K  key/value heads                 C  chunk length (chunked inference)
+    G  query heads per key/value head  M  query block (tile rows)
+    D  head dimension                  N  key block (tile columns)
+"""
 
 from bam_jax.attention import PADDING_SEGMENT, dot_product_attention, reference_attention
 from bam_jax.config import ENCODINGS, ModelConfig
