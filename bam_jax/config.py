@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass, validated on construction, plus size presets."""
+"""Model configuration: one frozen dataclass, validated on construction, plus named model sizes."""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ _PAPER_SIZES: dict[str, tuple[int, int, int]] = {
     "l18": (1536, 18, 32),
     "l24": (2048, 24, 64),
 }
+# Small models for laptops and tests.
 _SMALL_SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {"dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 256},
-    "micro": {"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 64, "max_seq_len": 32},
+    "toy": {"dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 256},
+    "nano": {"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 64, "max_seq_len": 32},
 }
-PRESETS = tuple(_PAPER_SIZES) + tuple(_SMALL_SIZES)
+MODEL_SIZES = tuple(_PAPER_SIZES) + tuple(_SMALL_SIZES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,15 +171,16 @@ class ModelConfig:
         return self.max_seq_len if self.local_window is None else self.local_window
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named size: "l6", "l8", "l12", "l15", "l18", "l24" (paper) or "tiny", "micro"."""
-        if name in _PAPER_SIZES:
-            dim, n_layers, n_heads = _PAPER_SIZES[name]
+    def of_size(cls, size: str, **overrides: Any) -> ModelConfig:
+        """A model of a named size: "l6", "l8", "l12", "l15", "l18", "l24" (paper) or "toy",
+        "nano" (small), with `overrides` of any field."""
+        if size in _PAPER_SIZES:
+            dim, n_layers, n_heads = _PAPER_SIZES[size]
             fields: dict[str, Any] = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads}
-        elif name in _SMALL_SIZES:
-            fields = dict(_SMALL_SIZES[name])
+        elif size in _SMALL_SIZES:
+            fields = dict(_SMALL_SIZES[size])
         else:
-            raise ValueError(f"preset name must be one of {PRESETS}, got {name!r}")
+            raise ValueError(f"model size must be one of {MODEL_SIZES}, got {size!r}")
         fields.update(overrides)
         return cls(**fields)
 

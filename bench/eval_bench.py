@@ -29,9 +29,9 @@ import sys
 import time
 
 MODELS = {
-    "tiny": {"preset": "tiny"},
+    "tiny": {"preset": "toy"},
     "l6": {"preset": "l6"},
-    "anchor": {"preset": "tiny", "dim": 256, "n_layers": 4, "n_heads": 8},
+    "anchor": {"preset": "toy", "dim": 256, "n_layers": 4, "n_heads": 8},
 }
 DEFAULT_LENGTHS = {
     "tiny": "1024,8192,32768,65536",
@@ -59,7 +59,7 @@ def measure(
     from eval.passkey import PasskeySettings, samples_for_length, score_samples
 
     spec = dict(MODELS[model_name])
-    config = ModelConfig.preset(spec.pop("preset"), encoding="bam_ssmax", **spec)
+    config = ModelConfig.of_size(spec.pop("preset"), encoding="bam_ssmax", **spec)
     model = for_inference(random_model(config), block_q=chunk, block_k=block_k)
     scorer = make_scorer(model, chunk_size=chunk)
     tokenizer = get_tokenizer("mistral")

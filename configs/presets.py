@@ -1,15 +1,18 @@
 """Training presets, usable by name: `bam-train --config=tiny --workdir=DIR`.
 
-- tiny: a small bam_ssmax model on synthetic passkey data at context 128; trains on a laptop
-  CPU in minutes.
-- quickstart: the `bam-quickstart` run: the tiny bam_ssmax model with a prior per layer
+A training preset is a whole TrainConfig (model, data, optimizer, schedule); the model sizes
+it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
+
+- tiny: the "toy" model (bam_ssmax) on synthetic passkey data at context 128; trains on a
+  laptop CPU in minutes.
+- quickstart: the `bam-quickstart` run: the toy bam_ssmax model with a prior per layer
   that starts with local and flat heads, trained longer (5000 steps of 32 prompts) at
   context 128, on the answer digits plus 16 random prompt positions per row (next-token
   prediction), with the passkey strings' share of the Mistral vocabulary.
 - quickstart_answer_loss: the quick start's first recipe (the README's recipe table): one
   prior shared by the layers, the full Mistral vocabulary, 3000 steps on the answer digits
   only.
-- micro: an even smaller model for tests and smoke runs (context 96).
+- micro: the "nano" model for tests and smoke runs (context 96, Mistral vocabulary).
 - anchor: the configuration of the performance anchor (dim 256, 4 layers, 8 heads,
   vocabulary 32768, context 256, batch 16).
 - l6_512 ... l24_1024: the paper's recipe (spec section 9) for every model size at context
@@ -27,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from ml_collections import ConfigDict
+
 from bam_jax.config import ModelConfig
-from train.config import MeshConfig, OptimConfig, TrainConfig
+from train.config import MeshConfig, OptimConfig, TrainConfig, to_config_dict
 from train.data import DataConfig
 
 PAPER_SIZES = ("l6", "l8", "l12", "l15", "l18", "l24")
@@ -42,8 +47,8 @@ FSDP_SIZES = ("l15", "l18", "l24")
 
 def tiny() -> TrainConfig:
     return TrainConfig(
-        model=ModelConfig.preset(
-            "tiny", encoding="bam_ssmax", max_seq_len=128, attention_impl="reference"
+        model=ModelConfig.of_size(
+            "toy", encoding="bam_ssmax", max_seq_len=128, attention_impl="reference"
         ),
         data=DataConfig(source="passkey", tokenizer="mistral"),
         optim=OptimConfig(lr=3e-3, prior_lr=3e-3, ssmax_lr=3e-3, warmup_steps=20),
@@ -68,8 +73,8 @@ def quickstart() -> TrainConfig:
     the step time against the full 32768-way output layer.
     """
     return TrainConfig(
-        model=ModelConfig.preset(
-            "tiny",
+        model=ModelConfig.of_size(
+            "toy",
             encoding="bam_ssmax",
             max_seq_len=128,
             vocab_size=128,
@@ -101,8 +106,8 @@ def quickstart_answer_loss() -> TrainConfig:
 
 def micro() -> TrainConfig:
     return TrainConfig(
-        model=ModelConfig.preset(
-            "micro",
+        model=ModelConfig.of_size(
+            "nano",
             vocab_size=32768,
             max_seq_len=96,
             encoding="bam_ssmax",
@@ -135,7 +140,7 @@ def anchor() -> TrainConfig:
 def paper(size: str, context: int) -> TrainConfig:
     """The paper's recipe for one model size and training context."""
     fsdp = size in FSDP_SIZES
-    model = ModelConfig.preset(
+    model = ModelConfig.of_size(
         size,
         max_seq_len=context,
         encoding="bam_ssmax",
@@ -166,7 +171,7 @@ def _paper_preset(size: str, context: int) -> Callable[[], TrainConfig]:
     return lambda: paper(size, context)
 
 
-PRESETS: dict[str, Callable[[], TrainConfig]] = {
+TRAINING_PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
     "quickstart": quickstart,
     "quickstart_answer_loss": quickstart_answer_loss,
@@ -177,13 +182,14 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 
 
 def preset(name: str) -> TrainConfig:
-    if name not in PRESETS:
-        raise ValueError(f"config: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-    return PRESETS[name]()
+    """The training preset `name`."""
+    if name not in TRAINING_PRESETS:
+        raise ValueError(
+            f"config: unknown preset {name!r}; expected one of {sorted(TRAINING_PRESETS)}"
+        )
+    return TRAINING_PRESETS[name]()
 
 
-def get_config(arg: str | None = None):
-    """ml_collections entry point: a preset name, or a JSON file of a resolved config."""
-    from train.cli import config_dict_from, load_config
-
-    return config_dict_from(load_config(arg or "tiny"))
+def get_config(name: str = "tiny") -> ConfigDict:
+    """ml_collections entry point (`--config=configs/presets.py:NAME`): the preset `name`."""
+    return to_config_dict(preset(name))

@@ -11,8 +11,8 @@ from eval.models import cache_bytes_per_slot, for_inference, make_scorer, random
 
 
 def _model(encoding: str, scan_layers: bool = False):
-    config = ModelConfig.preset(
-        "micro",
+    config = ModelConfig.of_size(
+        "nano",
         encoding=encoding,
         max_seq_len=32,
         prior_beta_init="linear",
@@ -53,7 +53,7 @@ def test_chunked_loss_matches_full_forward() -> None:
 
 
 def test_memory_at_16k_is_linear_not_quadratic() -> None:
-    config = ModelConfig.preset("tiny", encoding="bam_ssmax")
+    config = ModelConfig.of_size("toy", encoding="bam_ssmax")
     scorer = make_scorer(for_inference(random_model(config)), chunk_size=512)
     one_chunk = scorer.compiled_temp_bytes(1, 512)
     at_16k = scorer.compiled_temp_bytes(1, 16_384)

@@ -15,8 +15,8 @@ from eval.models import parse_model_arg, random_model
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> str:
-    config = ModelConfig.preset(
-        "micro",
+    config = ModelConfig.of_size(
+        "nano",
         vocab_size=259,
         encoding="bam_ssmax",
         global_prior=False,
@@ -61,7 +61,7 @@ def test_passkey_writes_results_and_figures_then_reuses(run_dir, tmp_path, capsy
 
 
 def test_passkey_results_follow_the_weights_not_the_path(tmp_path, capsys) -> None:
-    config = ModelConfig.preset("micro", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
+    config = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
     path, out = tmp_path / "run", tmp_path / "out"
     argv = f"passkey m={path} --tokenizer byte --lengths 300 --samples 2 --out {out} --quiet"
     for seed in (0, 1):  # a second model exported into the same folder

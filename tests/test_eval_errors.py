@@ -22,7 +22,7 @@ from eval.passkey import PasskeySettings, auto_batch_size, evaluate_passkey
 from eval.results import ResultStore
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ModelConfig.preset("micro", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
+CONFIG = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
 
 
 @pytest.fixture(scope="module")

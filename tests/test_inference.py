@@ -22,7 +22,7 @@ PROMPT_LEN, TOTAL_LEN, CAPACITY = 13, 16, 24
 @functools.cache
 def built(encoding: str, **overrides) -> Transformer:
     """A micro model (blockwise attention over 4-token tiles) with non-trivial priors."""
-    config = ModelConfig.preset("micro", encoding=encoding, block_q=4, block_k=4, **overrides)
+    config = ModelConfig.of_size("nano", encoding=encoding, block_q=4, block_k=4, **overrides)
     model = Transformer(config, rngs=nnx.Rngs(2))
     state = nnx.state(model, nnx.Any(PriorParam, SSMaxParam))
     noisy = jax.tree.map(lambda x: x + 0.2 * jnp.arange(x.shape[-1]) / x.shape[-1], state)

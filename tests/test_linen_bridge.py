@@ -12,7 +12,7 @@ from bam_jax.config import ModelConfig
 from bam_jax.linen import linen_attention, linen_transformer, load_linen_variables
 from bam_jax.model import Attention, Transformer
 
-CONFIG = ModelConfig.preset("micro", encoding="bam_ssmax", global_prior=False)
+CONFIG = ModelConfig.of_size("nano", encoding="bam_ssmax", global_prior=False)
 
 
 class LinenBlock(nn.Module):

@@ -38,8 +38,8 @@ MAX_KL = 2e-5
 
 def tiny(length: int, encoding: str = "bam_ssmax", **overrides) -> ModelConfig:
     """dim 64, 2 layers, blockwise attention: cheap enough for 16k tokens on a CPU."""
-    return ModelConfig.preset(
-        "tiny",
+    return ModelConfig.of_size(
+        "toy",
         vocab_size=256,
         max_seq_len=length,
         encoding=encoding,
@@ -53,7 +53,7 @@ def tiny(length: int, encoding: str = "bam_ssmax", **overrides) -> ModelConfig:
 
 
 def micro(**overrides) -> ModelConfig:
-    return ModelConfig.preset("micro", attention_impl="reference", **overrides)
+    return ModelConfig.of_size("nano", attention_impl="reference", **overrides)
 
 
 def tokens(length: int, vocab: int, seed: int = 1) -> jax.Array:
@@ -191,7 +191,7 @@ def test_reference_checkpoint_under_bfloat16_matches_float32(case, tmp_path: Pat
 
 def bfloat16_trained_run(tmp_path: Path, monkeypatch) -> str:
     """A run whose checkpoint records dtype bfloat16, as training under bfloat16 leaves."""
-    config = ModelConfig.preset("micro", vocab_size=259, max_seq_len=64)
+    config = ModelConfig.of_size("nano", vocab_size=259, max_seq_len=64)
     export_reference_checkpoint(random_model(config), config, tmp_path / "run", fmt="npz")
     load = eval_cli.load_eval_model
 

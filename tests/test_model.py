@@ -40,8 +40,8 @@ SEGMENTS = jnp.array([[7] * 4 + [0] * 8, [0] * 8 + [1] * 4])
 
 def micro(encoding: str = "bam_ssmax", **overrides) -> ModelConfig:
     """The micro preset; the plain-einsum attention (cheap to compile) unless overridden."""
-    return ModelConfig.preset(
-        "micro", encoding=encoding, **{"attention_impl": "reference", **overrides}
+    return ModelConfig.of_size(
+        "nano", encoding=encoding, **{"attention_impl": "reference", **overrides}
     )
 
 
@@ -258,7 +258,7 @@ PAPER_COUNTS = {"l6": 49e6, "l8": 98e6, "l12": 121e6, "l15": 275e6, "l18": 525e6
 
 @pytest.mark.parametrize("name", sorted(PAPER_COUNTS))
 def test_preset_parameter_counts(name):
-    config = ModelConfig.preset(name, encoding="rope")
+    config = ModelConfig.of_size(name, encoding="rope")
     count = count_params(abstract_model(config))
     d, v, hidden = config.dim, config.vocab_size, config.ffn_hidden_dim
     assert count == 2 * v * d + d + config.n_layers * (4 * d * d + 3 * d * hidden + 2 * d)
@@ -346,13 +346,13 @@ def test_split_merge_and_tree_mode():
 
 
 def test_config_roundtrip_and_presets():
-    config = ModelConfig.preset("l12", encoding="alibi_ssmax", prior_alpha_init="slope")
+    config = ModelConfig.of_size("l12", encoding="alibi_ssmax", prior_alpha_init="slope")
     assert ModelConfig.from_dict(config.to_dict()) == config
     assert (config.dim, config.n_layers, config.n_heads) == (768, 12, 16)
-    tiny = ModelConfig.preset("tiny", vocab_size=259)
+    tiny = ModelConfig.of_size("toy", vocab_size=259)
     assert tiny.vocab_size == 259 and tiny.dim == 64
-    with pytest.raises(ValueError, match="preset"):
-        ModelConfig.preset("l7")
+    with pytest.raises(ValueError, match="model size"):
+        ModelConfig.of_size("l7")
     with pytest.raises(ValueError, match="unknown ModelConfig fields"):
         ModelConfig.from_dict({**config.to_dict(), "colour": 1})
 

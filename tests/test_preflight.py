@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bam_jax.tokenizers import get_tokenizer
-from configs.presets import PAPER_CONTEXTS, PAPER_SIZES, PRESETS, preset
+from configs.presets import PAPER_CONTEXTS, PAPER_SIZES, TRAINING_PRESETS, preset
 from train import loop as train_loop
 from train.config import validate_for_runtime
 from train.data import BatchLayout, DataConfig, val_batches
@@ -53,7 +53,7 @@ def corpus(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(TRAINING_PRESETS))
 def test_every_preset_has_the_validation_batches_it_asks_for(name, shards):
     cfg = preset(name)
     if not cfg.eval_every:

@@ -50,7 +50,7 @@ def test_python_config_without_get_config(tmp_path, error_of):
     err = error_of(f"--config={bad}")
     assert err == (
         f"error: config: {bad} defines no get_config(); define one returning "
-        "train.cli.config_dict_from(TrainConfig(...))"
+        "an ml_collections ConfigDict of TrainConfig fields or a TrainConfig"
     )
 
 
@@ -65,7 +65,7 @@ def test_python_config_returning_something_else(tmp_path, error_of, result):
     bad = write(tmp_path / "bad.py", f"def get_config():\n    return {result}\n")
     err = error_of(f"--config={bad}")
     assert f"error: config: {bad}: get_config() returned " in err
-    assert "expected train.cli.config_dict_from(TrainConfig(...)) or a TrainConfig" in err
+    assert "expected an ml_collections ConfigDict of TrainConfig fields or a TrainConfig" in err
 
 
 def test_python_config_that_does_not_exist(tmp_path, error_of):

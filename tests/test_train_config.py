@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from configs.presets import PAPER_SIZES, PRESETS, preset
+from configs import presets
+from configs.presets import PAPER_SIZES, TRAINING_PRESETS, get_config, preset
 from train.cli import main, parse_args
 from train.config import MeshConfig, OptimConfig, TrainConfig, validate_for_runtime
 from train.data import DataConfig
@@ -38,9 +39,9 @@ def test_config_from_python_file_and_resolved_json(tmp_path):
     py = tmp_path / "my_config.py"
     py.write_text(
         "from configs.presets import preset\n"
-        "from train.cli import config_dict_from\n"
+        "from train.config import to_config_dict\n"
         "def get_config():\n"
-        "    return config_dict_from(preset('micro').replace(steps=3))\n"
+        "    return to_config_dict(preset('micro').replace(steps=3))\n"
     )
     cfg, _ = parse_args([PROG, f"--config={py}", "--config.batch_size=2"])
     assert cfg == preset("micro").replace(steps=3, batch_size=2)
@@ -49,8 +50,73 @@ def test_config_from_python_file_and_resolved_json(tmp_path):
     assert parse_args([PROG, f"--config={js}"])[0] == cfg
 
 
+FLAX_STYLE_CONFIG = """
+import ml_collections
+
+
+def get_config():
+    config = ml_collections.ConfigDict()
+    config.steps = 3
+    config.batch_size = 4
+    config.model = ml_collections.ConfigDict()
+    config.model.dim = 32
+    config.model.n_layers = 2
+    config.model.n_heads = 4
+    config.model.n_kv_heads = None
+    config.model.max_seq_len = 64
+    config.optim = ml_collections.ConfigDict()
+    config.optim.lr = 3e-3
+    config.data = ml_collections.ConfigDict()
+    config.data.source = "passkey"
+    config.data.tokenizer = "mistral"
+    return config
+"""
+
+
+def test_flax_style_config_file_returning_a_config_dict(tmp_path):
+    py = tmp_path / "flax_config.py"
+    py.write_text(FLAX_STYLE_CONFIG)
+    cfg, _ = parse_args(
+        [
+            PROG,
+            f"--config={py}",
+            "--config.model.n_kv_heads=2",
+            "--config.eval_every=2",
+            "--config.model.prior_alpha_init=slope",
+        ]
+    )
+    defaults = TrainConfig()
+    expected_model = defaults.model.replace(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, prior_alpha_init="slope"
+    )
+    assert cfg == defaults.replace(
+        steps=3,
+        batch_size=4,
+        eval_every=2,
+        model=expected_model,
+        optim=OptimConfig(lr=3e-3),
+        data=DataConfig(source="passkey", tokenizer="mistral"),
+    )
+    with pytest.raises(ValueError, match=r"^config: unknown field 'model.depth'; valid fields"):
+        parse_args([PROG, f"--config={py}", "--config.model.depth=3"])
+
+
+def test_presets_file_is_an_ml_collections_config_file():
+    assert TrainConfig.from_dict(get_config("micro").to_dict()) == preset("micro")
+    cfg, _ = parse_args([PROG, f"--config={presets.__file__}:micro", "--config.steps=7"])
+    assert cfg == preset("micro").replace(steps=7)
+
+
+def test_print_config_prints_the_resolved_config_and_exits(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([PROG, "--config=micro", "--config.steps=7", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert TrainConfig.from_dict(printed) == preset("micro").replace(steps=7)
+
+
 def test_every_preset_builds_and_paper_presets_follow_the_recipe():
-    for name in PRESETS:
+    for name in TRAINING_PRESETS:
         assert isinstance(preset(name), TrainConfig)
     for size in PAPER_SIZES:
         for context in (512, 1024):

@@ -14,7 +14,7 @@ from train.state import ModelParts
 
 @pytest.fixture(scope="module")
 def parts_and_params():
-    parts, abstract, _ = ModelParts.from_config(ModelConfig.preset("micro", encoding="bam_ssmax"))
+    parts, abstract, _ = ModelParts.from_config(ModelConfig.of_size("nano", encoding="bam_ssmax"))
     params = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), abstract)
     return parts, params
 

@@ -3,13 +3,22 @@
   bam-train --config=tiny --workdir=/tmp/bam-tiny
   bam-train --config=l12_512 --workdir=runs/l12 --config.data.path=DIR --config.steps=5000
   bam-train --config=my_config.py --workdir=DIR          (a file with get_config())
+  bam-train --config=my_config.py:ARG --workdir=DIR      (calls get_config(ARG))
   bam-train --config=DIR/config.json --workdir=DIR2      (a resolved config)
   bam-train --config=tiny --dry-run                      (compile, print size and memory)
+  bam-train --config=tiny --print_config                 (print the resolved config as JSON)
 
-Any field can be overridden with `--config.FIELD=VALUE`, nested with dots:
-`--config.model.encoding=rope`, `--config.optim.lr=3e-4`, `--config.mesh.fsdp=4`,
-`--config.data.source=text --config.data.path=corpus/`. A workdir that holds checkpoints is
-resumed from its latest one.
+`--config` names a training preset (configs/presets.py), a Python file whose `get_config()`
+returns an ml_collections ConfigDict (as in the Flax examples; fields it leaves out keep
+their defaults) or a TrainConfig, or a config.json written by a run. Any field can be
+overridden with `--config.FIELD=VALUE`, nested with dots: `--config.model.encoding=rope`,
+`--config.optim.lr=3e-4`, `--config.mesh.fsdp=4`, `--config.data.source=text
+--config.data.path=corpus/`. A workdir that holds checkpoints is resumed from its latest one.
+
+The overrides are ml_collections' config flags on a ConfigDict mirror of the TrainConfig
+(`train.config.to_config_dict`), turned back into a TrainConfig by `TrainConfig.from_dict`;
+`config_flags.DEFINE_config_dataclass` cannot be used directly, since it sets fields in
+place, which the frozen config dataclasses refuse.
 
 Several processes (hosts): on a TPU pod slice, or under Slurm or Open MPI with more than one
 task, `--distributed=auto` (the default) calls `jax.distributed.initialize()` without
@@ -29,13 +38,12 @@ import re
 import sys
 import traceback
 import types
-import typing
-from typing import Any
 
 from absl import flags
-from ml_collections import ConfigDict, config_dict, config_flags
+from ml_collections import ConfigDict, config_flags
 
-from train.config import TrainConfig, describe_type
+from configs.presets import TRAINING_PRESETS, preset
+from train.config import TrainConfig, describe_type, field_type, to_config_dict
 
 DISTRIBUTED_MODES = ("auto", "cluster", "off")
 
@@ -45,14 +53,13 @@ CLUSTER_PROCESS_COUNTS = {
     "Open MPI": "OMPI_COMM_WORLD_SIZE",
 }
 
-
 CONFIG_HELP = (
-    "A preset name (tiny, micro, anchor, l6_512 ... l24_1024), a Python file with "
-    "get_config(), or a config.json written by a run. Override any field with "
-    "--config.FIELD=VALUE, e.g. --config.steps=1000 --config.model.encoding=rope "
-    "--config.optim.lr=3e-4 --config.data.path=DIR."
+    f"A preset name ({', '.join(TRAINING_PRESETS)}: configs/presets.py), a Python file with "
+    "get_config() (FILE.py:ARG calls get_config(ARG)), or a config.json written by a run. "
+    "Override any field with --config.FIELD=VALUE, e.g. --config.steps=1000 "
+    "--config.model.encoding=rope --config.optim.lr=3e-4 --config.data.path=DIR."
 )
-PY_CONFIG_RESULT = "train.cli.config_dict_from(TrainConfig(...))"
+PY_CONFIG_RESULT = "an ml_collections ConfigDict of TrainConfig fields or a TrainConfig"
 # An override such as --config.model.dim=64, --config.steps 5 or --noconfig.progress_bar.
 OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]*)")
 # How absl reports a value it cannot parse: "flag --NAME=VALUE: REASON".
@@ -60,10 +67,12 @@ BAD_OVERRIDE_VALUE = re.compile(r"^flag --config\.([\w.]+)=(.*?): ", re.DOTALL)
 
 
 def load_config(spec: str) -> TrainConfig:
-    """A preset by name, or a resolved config from a JSON file."""
-    from configs.presets import PRESETS, preset
-
-    if spec in PRESETS:
+    """The config `--config=SPEC` names: a training preset, a .py file with get_config()
+    (`FILE.py:ARG` calls get_config(ARG)) or a config.json."""
+    path, _, arg = spec.partition(":")
+    if path.endswith(".py"):
+        return _python_config(path, arg or None)
+    if spec in TRAINING_PRESETS:
         return preset(spec)
     if spec.endswith(".json"):
         return TrainConfig.from_dict(_read_json_config(spec))
@@ -73,21 +82,12 @@ def load_config(spec: str) -> TrainConfig:
             f"config.json (a run's is {os.path.join(spec, 'config.json')})"
         )
     raise ValueError(
-        f"config: unknown preset {spec!r}; expected one of {sorted(PRESETS)}, "
+        f"config: unknown preset {spec!r}; expected one of {sorted(TRAINING_PRESETS)}, "
         "a .py file with get_config() or a .json file"
     )
 
 
-def load_config_dict(spec: str) -> ConfigDict:
-    """The ConfigDict of `--config=SPEC`: a preset name, a config.json, or a .py file with
-    get_config() (`FILE.py:ARG` calls get_config(ARG))."""
-    path, _, arg = spec.partition(":")
-    if path.endswith(".py"):
-        return _python_config(path, arg or None)
-    return config_dict_from(load_config(spec))
-
-
-def _read_json_config(path: str) -> dict[str, Any]:
+def _read_json_config(path: str) -> dict:
     if os.path.isdir(path):
         raise ValueError(f"config: {path!r} is a directory, not a config.json file")
     if not os.path.isfile(path):
@@ -109,7 +109,7 @@ def _read_json_config(path: str) -> dict[str, Any]:
     return d
 
 
-def _python_config(path: str, arg: str | None) -> ConfigDict:
+def _python_config(path: str, arg: str | None) -> TrainConfig:
     module = _run_config_file(path)
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
@@ -121,12 +121,12 @@ def _python_config(path: str, arg: str | None) -> ConfigDict:
     except Exception as err:
         raise _config_file_error(path, err) from None
     if isinstance(config, TrainConfig):
-        return config_dict_from(config)
-    if isinstance(config, ConfigDict):
         return config
+    if isinstance(config, ConfigDict):
+        return TrainConfig.from_dict(config.to_dict())
     raise ValueError(
         f"config: {path}: get_config() returned {type(config).__name__}; expected "
-        f"{PY_CONFIG_RESULT} or a TrainConfig"
+        f"{PY_CONFIG_RESULT}"
     )
 
 
@@ -161,47 +161,18 @@ def _config_file_error(path: str, err: Exception) -> ValueError:
     return ValueError(f"config: {where}: {type(err).__name__}: {err}")
 
 
-def _field_value(value: Any, annotation: Any) -> Any:
-    """A ConfigDict value that accepts overrides of the field's declared type."""
-    if dataclasses.is_dataclass(value):
-        return config_dict_from(value)
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    if is_union and len(args) > 1:
-        return config_dict.FieldReference(value, field_type=object)
-    if value is None:
-        return config_dict.placeholder(args[0] if args else object)
-    return value
-
-
-def config_dict_from(cfg: Any) -> ConfigDict:
-    """A ConfigDict mirroring a (nested) config dataclass, typed for command-line overrides."""
-    hints = typing.get_type_hints(type(cfg))
-    return ConfigDict(
-        {f.name: _field_value(getattr(cfg, f.name), hints[f.name]) for f in dataclasses.fields(cfg)}
-    )
-
-
-def to_train_config(cd: ConfigDict | TrainConfig) -> TrainConfig:
-    if isinstance(cd, TrainConfig):
-        return cd
-    return TrainConfig.from_dict(cd.to_dict())
-
-
-def _split_config_spec(argv: list[str]) -> tuple[str, list[str]]:
-    """The value of `--config=SPEC` (or `--config SPEC`) and the other arguments, with
-    `--dry-run` accepted for `--dry_run`."""
-    specs, rest = [], []
-    args = iter(argv)
-    for arg in args:
-        if arg in ("--config", "-config"):
-            specs.append(next(args, ""))
-            if specs[-1].startswith("-") or not specs[-1]:
-                raise ValueError(f"--config needs a value: {CONFIG_HELP}")
-        elif arg.startswith(("--config=", "-config=")):
-            specs.append(arg.split("=", 1)[1])
-        else:
-            rest.append("--dry_run" if arg == "--dry-run" else arg)
+def _config_spec(argv: list[str]) -> tuple[str, list[str]]:
+    """The value of `--config` (absl's forms: `--config=SPEC`, `--config SPEC`) and the other
+    arguments."""
+    spec_flag = flags.FlagValues()
+    flags.DEFINE_multi_string("config", None, CONFIG_HELP, flag_values=spec_flag)
+    try:
+        rest = spec_flag(argv, known_only=True)
+    except flags.Error:
+        raise ValueError(f"--config needs a value: {CONFIG_HELP}") from None
+    specs = spec_flag.config or []
+    if any(spec.startswith("-") or not spec for spec in specs):
+        raise ValueError(f"--config needs a value: {CONFIG_HELP}")
     if not specs:
         raise ValueError(f"--config is required: {CONFIG_HELP}")
     if len(specs) > 1:
@@ -210,29 +181,6 @@ def _split_config_spec(argv: list[str]) -> tuple[str, list[str]]:
             "change fields with --config.FIELD=VALUE"
         )
     return specs[0], rest
-
-
-def field_type(path: str) -> Any:
-    """The declared type of config field `path` ("model.dim"); ValueError naming the first
-    part of the path that is not a field."""
-    kind: Any = TrainConfig
-    walked = ""
-    for name in path.split("."):
-        if not dataclasses.is_dataclass(kind):
-            raise ValueError(
-                f"config: unknown field {path!r}; {walked} is {describe_type(kind)}, not a "
-                "section with fields"
-            )
-        hints = typing.get_type_hints(kind)
-        section = f" of {walked}" if walked else ""
-        walked = f"{walked}.{name}" if walked else name
-        if name not in hints:
-            raise ValueError(
-                f"config: unknown field {walked!r}; valid fields{section}: "
-                f"{', '.join(sorted(hints))}"
-            )
-        kind = hints[name]
-    return kind
 
 
 def _check_override_paths(argv: list[str]) -> None:
@@ -278,6 +226,12 @@ def define_flags(
         "dry_run",
         False,
         "Build, shard and compile the step; print size and memory; exit.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_bool(
+        "print_config",
+        False,
+        "Print the resolved config (the config.json of a run) and exit.",
         flag_values=flag_values,
     )
     flags.DEFINE_string(
@@ -327,10 +281,10 @@ def _environment_int(name: str, default: int) -> int:
 def parse_args(argv: list[str]) -> tuple[TrainConfig, flags.FlagValues]:
     """Parse a full argv (program name first) into a validated config and the flags."""
     argv = flags.FlagValues().read_flags_from_files(argv, force_gnu=False)
-    spec, argv = _split_config_spec(argv)
+    spec, argv = _config_spec(["--dry_run" if arg == "--dry-run" else arg for arg in argv])
     _check_override_paths(argv)
     flag_values = flags.FlagValues()
-    define_flags(flag_values, load_config_dict(spec), argv)
+    define_flags(flag_values, to_config_dict(load_config(spec)), argv)
     extra = _parse_flags(flag_values, argv)[1:]
     if extra:
         raise ValueError(
@@ -338,7 +292,7 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, flags.FlagValues]:
             "(bam-train --help lists them)"
         )
     _check_process_flags(flag_values)
-    return to_train_config(flag_values.config), flag_values
+    return TrainConfig.from_dict(flag_values.config.to_dict()), flag_values
 
 
 def _parse_flags(flag_values: flags.FlagValues, argv: list[str]) -> list[str]:
@@ -425,6 +379,9 @@ def run(argv: list[str]) -> int:
     except (ValueError, flags.Error) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if flag_values.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
     if not flag_values.workdir and not flag_values.dry_run:
         print("error: --workdir is required", file=sys.stderr)
         return 2

@@ -2,6 +2,8 @@
 need the runtime (device count, files on disk, tokenizer) in `validate_for_runtime`.
 
 Both run before anything is compiled, and every error names the field that is wrong.
+`to_config_dict` and `TrainConfig.from_dict` carry a config to and from the ml_collections
+ConfigDict that the command line overrides (and a config.json's nested mapping).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import typing
 from typing import Any
 
 import numpy as np
+from ml_collections import ConfigDict, config_dict
 
 from bam_jax.config import FLOAT32_MAX, ModelConfig
 from train.data import DataConfig
@@ -101,7 +104,7 @@ class TrainConfig:
     taken over `eval_batches` micro-batches of `batch_size` rows.
     """
 
-    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.preset("tiny"))
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.of_size("toy"))
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -161,9 +164,57 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: Any) -> TrainConfig:
-        """The config of a (nested) mapping such as a config.json; unknown keys, values of the
-        wrong type and bad values raise a ValueError naming the key path."""
+        """The config of a (nested) mapping such as a config.json or a ConfigDict's `to_dict()`;
+        missing fields take their defaults; unknown keys, values of the wrong type and bad
+        values raise a ValueError naming the key path."""
         return _dataclass_from_dict(cls, d, path="")
+
+
+def to_config_dict(cfg: Any) -> ConfigDict:
+    """A (nested) config dataclass as a ConfigDict whose fields take `--config.FIELD=VALUE`
+    overrides of their declared types: a field that is None takes values of its type, and one
+    of several types (str or float) any Python literal."""
+    hints = typing.get_type_hints(type(cfg))
+    return ConfigDict(
+        {
+            f.name: _config_value(getattr(cfg, f.name), hints[f.name])
+            for f in dataclasses.fields(cfg)
+        }
+    )
+
+
+def _config_value(value: Any, annotation: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return to_config_dict(value)
+    types_besides_none = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(types_besides_none) > 1:
+        return config_dict.FieldReference(value, field_type=object)
+    if value is None:
+        return config_dict.placeholder(types_besides_none[0] if types_besides_none else object)
+    return value
+
+
+def field_type(path: str) -> Any:
+    """The declared type of TrainConfig field `path` ("model.dim"); a ValueError naming the
+    first part of the path that is not a field, with the valid ones."""
+    kind: Any = TrainConfig
+    walked = ""
+    for name in path.split("."):
+        if not dataclasses.is_dataclass(kind):
+            raise ValueError(
+                f"config: unknown field {path!r}; {walked} is {describe_type(kind)}, not a "
+                "section with fields"
+            )
+        hints = typing.get_type_hints(kind)
+        section = f" of {walked}" if walked else ""
+        walked = _join(walked, name)
+        if name not in hints:
+            raise ValueError(
+                f"config: unknown field {walked!r}; valid fields{section}: "
+                f"{', '.join(sorted(hints))}"
+            )
+        kind = hints[name]
+    return kind
 
 
 def _dataclass_from_dict(kind: type, d: Any, path: str) -> Any:

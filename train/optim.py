@@ -14,8 +14,6 @@ from flax import nnx
 from bam_jax.model import PriorParam, SSMaxParam
 from train.config import OptimConfig
 
-GROUPS = ("decay", "no_decay", "prior", "ssmax")
-
 
 def variable_group(variable: nnx.Variable) -> str:
     """Optimizer group of one parameter."""
@@ -46,7 +44,7 @@ def schedule(peak: float, cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 def make_optimizer(
     cfg: OptimConfig, total_steps: int, labels: Callable | object
 ) -> optax.GradientTransformation:
-    """The full transformation; `labels` gives each parameter's group (see GROUPS)."""
+    """The full transformation; `labels` gives each parameter's group (`variable_group`)."""
 
     def radam(peak: float, weight_decay: float) -> optax.GradientTransformation:
         parts = [optax.scale_by_radam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)]
