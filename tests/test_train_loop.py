@@ -1,6 +1,7 @@
 """End-to-end training on CPU: loss falls, checkpoints, exact resume, NaN stop, dry run."""
 
 import dataclasses
+import logging
 import os
 import pathlib
 import re
@@ -274,3 +275,18 @@ def test_data_is_read_by_threads_and_runs_stay_identical(tmp_path, corpus):
     assert val_losses(str(tmp_path / "a")) == val_losses(str(tmp_path / "b"))
     for a, b in zip(*(jax.tree.leaves(r.state.params) for r in runs), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_progress_is_logged_once_per_log_step_with_a_summary_first(
+    tmp_path, corpus, capsys, caplog
+):
+    workdir = str(tmp_path / "run")
+    caplog.set_level(logging.INFO, logger="bam.train")
+    train(small_config(corpus, steps=4), workdir)  # log_every 1, eval_every 4
+    summary = capsys.readouterr().out
+    assert "parameters" in summary and "mesh" in summary and workdir in summary
+    lines = [r.getMessage() for r in caplog.records if r.name == "bam.train"]
+    assert [line.split()[1] for line in lines if " loss " in line] == ["1/4", "2/4", "3/4", "4/4"]
+    assert [line.split()[1] for line in lines if "val_loss" in line] == ["4/4"]
+    assert all("eta" in line for line in lines if " loss " in line and "1/4" not in line)
+    assert all(r["time"] > 1.7e9 for r in read_metrics(workdir))

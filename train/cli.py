@@ -42,8 +42,11 @@ import types
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
+from bam_jax.logs import log_to_stdout
 from configs.presets import TRAINING_PRESETS, preset
+from train.checkpoint import quiet_orphaned_checkpoint_reads
 from train.config import TrainConfig, describe_type, field_type, to_config_dict
+from train.loop import NonFiniteLossError, build, dry_run, format_dry_run, train
 
 DISTRIBUTED_MODES = ("auto", "cluster", "off")
 
@@ -386,10 +389,8 @@ def run(argv: list[str]) -> int:
         print("error: --workdir is required", file=sys.stderr)
         return 2
     initialize_distributed(flag_values)
-    from train.checkpoint import quiet_orphaned_checkpoint_reads
-    from train.loop import NonFiniteLossError, build, dry_run, format_dry_run, train
-
     quiet_orphaned_checkpoint_reads()
+    log_to_stdout()
 
     try:
         if flag_values.dry_run:

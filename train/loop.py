@@ -414,6 +414,7 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
             workdir, total_steps=cfg.steps, start_step=start, progress_bar=cfg.progress_bar
         )
         with contextlib.closing(writer):
+            writer.print(run_summary(setup, workdir))
             for note in notes:
                 writer.print(note)
             if start:
@@ -422,6 +423,26 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
             end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
             with _Preemption() as preemption:
                 return run.loop(state, start, end, preemption)
+
+
+def run_summary(setup: Setup, workdir: str) -> str:
+    """What a run is about to do, in a few lines: devices and mesh, model, data, output."""
+    cfg, model = setup.cfg, setup.cfg.model
+    mesh = " x ".join(f"{name} {size}" for name, size in setup.mesh.shape.items())
+    devices = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+    precision = "float32" if model.dtype == "float32" else f"{model.dtype} matmuls"
+    n_params = count_params(setup.abstract_state.params)
+    tokens = cfg.accum_steps * cfg.batch_size * cfg.seq_len
+    rows = f"{cfg.accum_steps} x {cfg.batch_size} rows x {cfg.seq_len}"
+    data = cfg.data.source + (f" {cfg.data.path}" if cfg.data.path else "")
+    return "\n".join(
+        [
+            f"devices: {devices} in {jax.process_count()} process(es); mesh {mesh}",
+            f"model: {model.encoding}, {n_params:,} parameters, {precision}",
+            f"steps: {cfg.steps} of {tokens:,} tokens ({rows})",
+            f"data: {data}, tokenizer {cfg.data.tokenizer}; workdir: {workdir}",
+        ]
+    )
 
 
 def _prepare_workdir(workdir: str) -> str:

@@ -1,6 +1,8 @@
-"""Metrics: `WORKDIR/metrics.jsonl` (one JSON object per line), TensorBoard event files under
-`WORKDIR/tensorboard`, a progress bar, and model FLOPs utilisation where the device's peak is
-known. WORKDIR may be a URL (see `train.checkpoint.run_path`).
+"""Metrics: `WORKDIR/metrics.jsonl` (one JSON object per line, each with the wall-clock `time`
+it was written), TensorBoard event files under `WORKDIR/tensorboard`, progress (a bar on a
+terminal, else one line per logged step on the "bam.train" logger), and model FLOPs
+utilisation where the device's peak is known. WORKDIR may be a URL (see
+`train.checkpoint.run_path`).
 
 A resumed run replays the steps after its checkpoint, so the records of those steps are
 dropped from `metrics.jsonl` when it starts; a `metrics.jsonl` deleted or replaced while the
@@ -9,7 +11,10 @@ run writes is opened again."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
+import time
 from typing import IO, Any
 
 import jax
@@ -20,6 +25,7 @@ from bam_jax.config import ModelConfig
 from train.checkpoint import is_url, run_path
 
 METRICS_FILE = "metrics.jsonl"
+logger = logging.getLogger("bam.train")
 
 # Dense bfloat16 peak FLOP/s per device, by `device_kind` prefix.
 PEAK_FLOPS = {
@@ -52,12 +58,17 @@ def train_flops_per_token(config: ModelConfig, n_params: int) -> float:
 
 
 class MetricsWriter:
-    """Writes on process 0 only; the other processes get a writer that does nothing."""
+    """Writes on process 0 only; the other processes get a writer that does nothing.
+
+    Progress shows as a bar when `progress_bar` is set and standard error is a terminal, and
+    otherwise as one log line per record (step, loss, val_loss, tokens/s, ETA).
+    """
 
     def __init__(
         self, workdir: str | os.PathLike, *, total_steps: int, start_step: int, progress_bar: bool
     ):
         self.enabled = jax.process_index() == 0
+        self.total_steps = total_steps
         self._jsonl: _LocalLines | _RewrittenLines | None = None
         self._tb = None
         self._bar = None
@@ -67,7 +78,7 @@ class MetricsWriter:
         keep_records_up_to(run / METRICS_FILE, start_step)
         self._jsonl = _RewrittenLines(run) if is_url(run) else _LocalLines(run)
         self._tb, notice = _tensorboard_writer(run / "tensorboard")
-        if progress_bar:
+        if progress_bar and sys.stderr.isatty():
             self._bar = tqdm.tqdm(
                 total=total_steps, initial=start_step, unit="step", dynamic_ncols=True
             )
@@ -77,16 +88,17 @@ class MetricsWriter:
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._jsonl.append(json.dumps({"step": step, **values}) + "\n")
+        self._jsonl.append(
+            json.dumps({"step": step, "time": round(time.time(), 3), **values}) + "\n"
+        )
         if self._tb is not None:
             for name, value in values.items():
                 if isinstance(value, int | float):
                     self._tb.add_scalar(name, value, step)
-        if self._bar is not None and "loss" in values:
-            postfix = {"loss": f"{values['loss']:.4f}"}
-            if "tokens_per_s" in values:
-                postfix["tok/s"] = f"{values['tokens_per_s']:.0f}"
-            self._bar.set_postfix(postfix, refresh=False)
+        if self._bar is not None:
+            self._bar.set_postfix(_postfix(values), refresh=False)
+        else:
+            logger.info(progress_line(step, self.total_steps, values))
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
@@ -107,6 +119,31 @@ class MetricsWriter:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def _postfix(values: dict[str, Any]) -> dict[str, str]:
+    shown = {"loss": "{:.4f}", "val_loss": "{:.4f}", "tokens_per_s": "{:.0f}"}
+    return {name: form.format(values[name]) for name, form in shown.items() if name in values}
+
+
+def progress_line(step: int, total_steps: int, values: dict[str, Any]) -> str:
+    """`step 400/5000 loss 0.7759 val_loss 0.7012 tokens/s 15604 eta 20m05s`, with the
+    fields the record has."""
+    parts = [f"step {step}/{total_steps}"]
+    for name in ("loss", "val_loss"):
+        if name in values:
+            parts.append(f"{name} {values[name]:.4f}")
+    if "tokens_per_s" in values:
+        parts.append(f"tokens/s {values['tokens_per_s']:.0f}")
+    if "step_time_s" in values:
+        parts.append(f"eta {_duration((total_steps - step) * values['step_time_s'])}")
+    return " ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 class _LocalLines:
