@@ -429,7 +429,7 @@ def run(argv: list[str]) -> int:
         print("error: --workdir is required", file=sys.stderr)
         return 2
     initialize_distributed(flag_values)
-    from train.checkpoint import quiet_orphaned_checkpoint_reads
+    from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
     from train.loop import NonFiniteLossError, build, dry_run, format_dry_run, train
 
     quiet_orphaned_checkpoint_reads()

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from bam_jax.config import FLOAT32_MAX, ModelConfig
+from bam_jax.io.shards import local_shard_dir, read_meta
 from train.data import DataConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -300,8 +301,6 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
         )
     data_path = cfg.data.path
     if cfg.data.source == "shards":
-        from train.shards import local_shard_dir
-
         data_path = local_shard_dir(data_path)
     if cfg.data.source != "passkey" and not _path_exists(data_path):
         raise ValueError(f"data.path: {cfg.data.path!r} does not exist")
@@ -337,8 +336,6 @@ def _data_vocab(cfg: TrainConfig) -> tuple[int, str]:
     from bam_jax.tokenizers import get_tokenizer
 
     if cfg.data.source == "shards":
-        from train.shards import read_meta
-
         meta = read_meta(cfg.data.path)
         tokenizer = meta.get("tokenizer")
         return int(meta["vocab_size"]), f"the shards in {cfg.data.path!r} (tokenizer {tokenizer!r})"
