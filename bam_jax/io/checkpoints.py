@@ -157,7 +157,12 @@ def load_params(workdir: str | os.PathLike, step: int | None = None) -> SavedPar
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         {"params": nnx.to_pure_dict(params), "consts": nnx.to_pure_dict(consts)},
     )
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(target, strict=False))
+    restore = ocp.args.PyTreeRestore(
+        item=target,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True,
+    )
+    args = ocp.args.Composite(state=restore)
     with (
         checkpoint_reader(workdir) as manager,
         explained_read_errors(os.path.join(checkpoint_dir(workdir), str(step))),
