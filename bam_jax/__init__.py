@@ -14,7 +14,8 @@ Shape suffixes. Array names end in their shape, letters joined by "x"
 
 from bam_jax.attention import PADDING_SEGMENT, dot_product_attention, reference_attention
 from bam_jax.config import ENCODINGS, ModelConfig
-from bam_jax.inference import KVCache, decode_step, generate, init_cache, prefill
+from bam_jax.inference import decode_step, generate, init_cache, prefill
+from bam_jax.kv_cache import KVCache
 from bam_jax.model import (
     Attention,
     PriorConstant,

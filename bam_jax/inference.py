@@ -1,7 +1,7 @@
-"""Inference with a key/value cache: chunked prefill, single-token decode, generation.
+"""Inference with a key/value cache: chunked forward passes, prefill, decode, generation.
 
 The cache holds every layer's rotated keys and values in fixed-capacity buffers, one
-[B, S, Hkv, D] array per layer (so a jitted step that donates the cache updates each in
+[B, S, K, D] array per layer (so a jitted step that donates the cache updates each in
 place); `length` counts the filled slots (shared by the batch). A forward over a chunk
 writes its keys at `length` and attends with query_offset = length, so slots not yet
 written lie in the future of every query and are masked by causality. SSMax counts the
@@ -10,43 +10,41 @@ cached tokens in n_i.
 A model with `scan_layers` works too, but its scan copies the cache on every call;
 `reconfigure(model, scan_layers=False)` gives the same weights in the in-place layout.
 
-`prefill` runs the prompt in chunks of a fixed size (the last one padded and masked), so
-one compiled step serves every prompt length and memory is bounded by
-chunk_size x capacity, never prompt_length ** 2.
+Every cached forward runs through `ChunkedForward`: a sequence is padded at the end to a
+whole number of chunks of a fixed size (padding never changes earlier positions), so one
+compiled step serves every length and memory is bounded by chunk_size x capacity, never
+length ** 2. Two jitted steps serve every (batch, chunk, capacity) shape:
+
+- advance: runs a chunk and keeps only the cache; its logits are dead code that XLA drops,
+  so chunks with nothing to score skip the output projection entirely;
+- gather: runs a chunk and returns the logits at a few requested positions only ([B, K, V];
+  a model with `hidden_states` / `logits` projects only those positions), never [T, vocab].
+
+`prefill` and `decode_step` are such forwards scoring their last position; the scoring
+helpers (`logits_at`, `next_token_loss`) size their own cache to a bucket of capacities
+(1, 2, 3, 4, 6, 8, 12, 16, ... chunks), so one compiled step serves many lengths; with
+blockwise attention unfilled slots are skipped, so a sweep may share one capacity
+(`min_capacity`) across all its lengths and compile its steps once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bam_jax.config import ModelConfig
+from bam_jax.kv_cache import KVCache
+from bam_jax.model import Transformer
 
-if TYPE_CHECKING:
-    from bam_jax.model import Transformer
-
-
-@flax.struct.dataclass
-class KVCache:
-    """Per-layer keys and values (tuples of L arrays [B, S, Hkv, D]) and the filled length."""
-
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
-    length: jax.Array
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[1]
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys[0].shape[0]
+CacheFactory = Callable[[int, int], Any]
 
 
 def init_cache(
@@ -66,18 +64,161 @@ def init_cache(
     )
 
 
-@functools.partial(jax.jit, donate_argnums=(3,))
-def _forward_chunk(
+def capacity_bucket(n_tokens: int, chunk_size: int) -> int:
+    """Cache slots for ``n_tokens``: whole chunks, rounded up to 2**k or 1.5 * 2**k chunks."""
+    if n_tokens < 1 or chunk_size < 1:
+        raise ValueError(f"n_tokens and chunk_size must be >= 1, got {n_tokens}, {chunk_size}")
+    chunks = math.ceil(n_tokens / chunk_size)
+    power = 1 << (chunks - 1).bit_length()
+    if chunks > 2 and chunks <= 3 * power // 4:
+        power = 3 * power // 4
+    return power * chunk_size
+
+
+@functools.partial(jax.jit, donate_argnums=2)
+def _advance(graphdef: nnx.GraphDef, state: nnx.State, cache: Any, tokens_BxC: jax.Array) -> Any:
+    _, cache = nnx.merge(graphdef, state)(tokens_BxC, cache=cache)
+    return cache
+
+
+@functools.partial(jax.jit, donate_argnums=2)
+def _gather(
     graphdef: nnx.GraphDef,
     state: nnx.State,
+    cache: Any,
     tokens_BxC: jax.Array,
-    cache: KVCache,
-    num_valid: jax.Array,
-) -> tuple[jax.Array, KVCache]:
+    positions_BxK: jax.Array,
+) -> tuple[Any, jax.Array]:
     model = nnx.merge(graphdef, state)
-    hidden_BxCxD, cache = model.hidden_states(tokens_BxC, cache=cache, num_valid=num_valid)
-    last_BxD = jax.lax.dynamic_index_in_dim(hidden_BxCxD, num_valid - 1, axis=1, keepdims=False)
-    return model.logits(last_BxD), cache
+    index_BxKx1 = jnp.clip(positions_BxK, 0, tokens_BxC.shape[1] - 1)[..., None]
+    if hasattr(model, "hidden_states"):  # project only the scored positions
+        hidden_BxCxE, cache = model.hidden_states(tokens_BxC, cache=cache)
+        picked_BxKxE = jnp.take_along_axis(hidden_BxCxE, index_BxKx1, axis=1)
+        return cache, model.logits(picked_BxKxE).astype(jnp.float32)
+    logits_BxCxV, cache = model(tokens_BxC, cache=cache)
+    picked_BxKxV = jnp.take_along_axis(logits_BxCxV, index_BxKx1, axis=1)
+    return cache, picked_BxKxV.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, donate_argnums=2)
+def _next_token_loss(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: Any,
+    tokens_BxC: jax.Array,
+    targets_BxC: jax.Array,
+) -> tuple[Any, jax.Array]:
+    logits_BxCxV, cache = nnx.merge(graphdef, state)(tokens_BxC, cache=cache)
+    logp_BxCxV = jax.nn.log_softmax(logits_BxCxV.astype(jnp.float32), axis=-1)
+    picked_BxC = jnp.take_along_axis(logp_BxCxV, targets_BxC[..., None], axis=-1)
+    return cache, -picked_BxC[..., 0]
+
+
+@dataclasses.dataclass
+class ChunkStats:
+    """What a chunked forward has run, for progress reports and reuse checks."""
+
+    sequences: int = 0
+    chunks: int = 0
+    tokens: int = 0
+
+
+class ChunkedForward:
+    """Runs a cached model over sequences of any length, one fixed-size chunk per jitted call.
+
+    ``model(tokens_BxC, cache=cache) -> (logits_BxCxV, cache)`` is the cached forward;
+    ``cache_factory(batch, capacity)`` makes an empty cache for it (default: `init_cache`
+    with the model's config).
+    """
+
+    def __init__(
+        self, model: nnx.Module, cache_factory: CacheFactory | None = None, *, chunk_size: int = 512
+    ):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.chunk_size = chunk_size
+        self.cache_factory = cache_factory or functools.partial(init_cache, model.config)
+        self.min_capacity = 0
+        self.stats = ChunkStats()
+        self.graphdef, self.state = nnx.split(model)
+
+    def capacity_for(self, n_tokens: int) -> int:
+        """Cache slots the scoring helpers use for a sequence of ``n_tokens``."""
+        return max(capacity_bucket(n_tokens, self.chunk_size), self.min_capacity)
+
+    def _padded_chunks(self, tokens_BxT: np.ndarray) -> np.ndarray:
+        """The tokens padded at the end to whole chunks, [n_chunks, B, C]."""
+        tokens_BxT = np.asarray(tokens_BxT, np.int32)
+        if tokens_BxT.ndim != 2 or tokens_BxT.shape[1] < 1:
+            raise ValueError(f"tokens_BxT must be [batch, length >= 1], got {tokens_BxT.shape}")
+        batch, length = tokens_BxT.shape
+        n_chunks = math.ceil(length / self.chunk_size)
+        padded_BxT = np.zeros((batch, n_chunks * self.chunk_size), np.int32)
+        padded_BxT[:, :length] = tokens_BxT
+        self.stats.sequences += batch
+        self.stats.tokens += batch * length
+        self.stats.chunks += n_chunks
+        return padded_BxT.reshape(batch, n_chunks, self.chunk_size).transpose(1, 0, 2)
+
+    def run(
+        self, tokens_BxT: np.ndarray, cache: Any, positions_BxK: np.ndarray
+    ) -> tuple[np.ndarray, Any]:
+        """Runs the tokens through ``cache`` (which is donated); returns the float32 logits
+        [B, K, V] at the given positions of each row and the new cache, whose length has
+        grown by whole chunks. Chunks holding no requested position only fill the cache."""
+        positions_BxK = np.asarray(positions_BxK, np.int32)
+        if positions_BxK.ndim != 2 or positions_BxK.shape[0] != np.shape(tokens_BxT)[0]:
+            raise ValueError(f"positions_BxK must be [batch, K], got {positions_BxK.shape}")
+        if positions_BxK.min() < 0 or positions_BxK.max() >= np.shape(tokens_BxT)[1]:
+            raise ValueError("positions_BxK must lie inside the sequences")
+        chunks = self._padded_chunks(tokens_BxT)
+        wanted_chunks = set((positions_BxK // self.chunk_size).ravel().tolist())
+        out_BxKxV = None
+        for i, chunk_BxC in enumerate(chunks):
+            if i not in wanted_chunks:
+                cache = _advance(self.graphdef, self.state, cache, chunk_BxC)
+                continue
+            local_BxK = positions_BxK - i * self.chunk_size
+            cache, picked_BxKxV = _gather(self.graphdef, self.state, cache, chunk_BxC, local_BxK)
+            picked_BxKxV = np.asarray(picked_BxKxV)
+            if out_BxKxV is None:
+                out_BxKxV = np.zeros_like(picked_BxKxV)
+            inside_BxK = (local_BxK >= 0) & (local_BxK < self.chunk_size)
+            out_BxKxV[inside_BxK] = picked_BxKxV[inside_BxK]
+        assert out_BxKxV is not None
+        return out_BxKxV, cache
+
+    def logits_at(self, tokens_BxT: np.ndarray, positions_BxK: np.ndarray) -> np.ndarray:
+        """Logits float32 [B, K, V] at the given positions of each row (right-padded rows),
+        through a fresh cache of ``capacity_for`` slots."""
+        batch, length = np.shape(tokens_BxT)
+        cache = self.cache_factory(batch, self.capacity_for(length))
+        return self.run(tokens_BxT, cache, positions_BxK)[0]
+
+    def next_token_loss(self, tokens_BxT: np.ndarray) -> np.ndarray:
+        """Loss float32 [B, T - 1] of predicting token t + 1 from tokens 0..t."""
+        tokens_BxT = np.asarray(tokens_BxT, np.int32)
+        batch, length = tokens_BxT.shape
+        chunks = self._padded_chunks(tokens_BxT)
+        cache = self.cache_factory(batch, self.capacity_for(length))
+        targets_BxT = np.zeros((batch, chunks.shape[0] * self.chunk_size), np.int32)
+        targets_BxT[:, : length - 1] = tokens_BxT[:, 1:]
+        targets = targets_BxT.reshape(batch, -1, self.chunk_size).transpose(1, 0, 2)
+        losses = []
+        for chunk_BxC, target_BxC in zip(chunks, targets, strict=True):
+            cache, loss_BxC = _next_token_loss(
+                self.graphdef, self.state, cache, chunk_BxC, target_BxC
+            )
+            losses.append(np.asarray(loss_BxC))
+        return np.concatenate(losses, axis=1)[:, : length - 1]
+
+    def compiled_temp_bytes(self, batch: int, n_tokens: int) -> int:
+        """Scratch memory XLA plans for one advance step at this length's capacity."""
+        capacity = self.capacity_for(n_tokens)
+        cache = jax.eval_shape(lambda: self.cache_factory(batch, capacity))
+        tokens_BxC = jax.ShapeDtypeStruct((batch, self.chunk_size), jnp.int32)
+        compiled = _advance.lower(self.graphdef, self.state, cache, tokens_BxC).compile()
+        return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def _check_room(cache: KVCache, needed: int) -> None:
@@ -87,6 +228,27 @@ def _check_room(cache: KVCache, needed: int) -> None:
             f"cache capacity {cache.capacity} is too small: {length} slots are filled and "
             f"{needed} more are needed"
         )
+
+
+def _last_position_logits(
+    model: Transformer, tokens_BxT: jax.Array, cache: KVCache, chunk_size: int
+) -> tuple[jax.Array, KVCache]:
+    """Logits [B, V] after the last token and the cache holding exactly the tokens."""
+    tokens_BxT = np.asarray(tokens_BxT, np.int32)
+    if tokens_BxT.ndim != 2 or tokens_BxT.shape[1] < 1:
+        raise ValueError(f"tokens_BxT must be [batch, length >= 1], got {tokens_BxT.shape}")
+    batch, length = tokens_BxT.shape
+    if batch != cache.batch_size:
+        raise ValueError(f"batch {batch} differs from the cache's {cache.batch_size}")
+    _check_room(cache, math.ceil(length / chunk_size) * chunk_size)
+    filled = cache.length + length
+    last_Bx1 = np.full((batch, 1), length - 1, np.int32)
+    logits_Bx1xV, cache = ChunkedForward(model, chunk_size=chunk_size).run(
+        tokens_BxT, cache, last_Bx1
+    )
+    # The padded slots of the last chunk are not part of the sequence: later tokens
+    # overwrite them.
+    return jnp.asarray(logits_Bx1xV[:, 0]), cache.replace(length=filled)
 
 
 def prefill(
@@ -100,22 +262,7 @@ def prefill(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
-    if tokens_BxT.ndim != 2 or tokens_BxT.shape[1] < 1:
-        raise ValueError(f"tokens_BxT must be [batch, length >= 1], got {tokens_BxT.shape}")
-    if tokens_BxT.shape[0] != cache.batch_size:
-        raise ValueError(f"batch {tokens_BxT.shape[0]} differs from the cache's {cache.batch_size}")
-    length = tokens_BxT.shape[1]
-    n_chunks = math.ceil(length / chunk_size)
-    _check_room(cache, n_chunks * chunk_size)
-    padded = jnp.pad(tokens_BxT, ((0, 0), (0, n_chunks * chunk_size - length)))
-    graphdef, state = nnx.split(model)
-    logits_BxV = None
-    for i in range(n_chunks):
-        chunk = padded[:, i * chunk_size : (i + 1) * chunk_size]
-        num_valid = jnp.int32(min(chunk_size, length - i * chunk_size))
-        logits_BxV, cache = _forward_chunk(graphdef, state, chunk, cache, num_valid)
-    return logits_BxV, cache
+    return _last_position_logits(model, tokens_BxT, cache, chunk_size)
 
 
 def decode_step(
@@ -123,12 +270,9 @@ def decode_step(
 ) -> tuple[jax.Array, KVCache]:
     """Appends one token per row; returns its next-token logits [B, V] and the new cache
     (the cache passed in is donated)."""
-    tokens_Bx1 = jnp.asarray(tokens_Bx1, jnp.int32)
-    if tokens_Bx1.ndim != 2 or tokens_Bx1.shape[1] != 1:
-        raise ValueError(f"tokens_Bx1 must be [batch, 1], got {tokens_Bx1.shape}")
-    _check_room(cache, 1)
-    graphdef, state = nnx.split(model)
-    return _forward_chunk(graphdef, state, tokens_Bx1, cache, jnp.int32(1))
+    if np.ndim(tokens_Bx1) != 2 or np.shape(tokens_Bx1)[1] != 1:
+        raise ValueError(f"tokens_Bx1 must be [batch, 1], got {np.shape(tokens_Bx1)}")
+    return _last_position_logits(model, tokens_Bx1, cache, chunk_size=1)
 
 
 def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float) -> jax.Array:

@@ -27,7 +27,7 @@ from flax import nnx
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.config import ModelConfig
-from bam_jax.inference import KVCache
+from bam_jax.kv_cache import KVCache
 from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
 from bam_jax.priors import GGDPrior, Prior, init_ggd_prior
 
@@ -423,9 +423,12 @@ class Transformer(nnx.Module):
         return h_BxTxD, (tuple(kv[0]), tuple(kv[1]))
 
 
-def count_params(model: nnx.Module) -> int:
-    """Number of scalars in all variables of the model (trainable or not)."""
-    return sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+def count_params(model_or_params: nnx.Module | Any) -> int:
+    """Number of scalars in all variables of a model (trainable or not), or in a pytree of
+    arrays such as a training state's parameter dicts (abstract shapes count too)."""
+    if isinstance(model_or_params, nnx.Module):
+        model_or_params = nnx.state(model_or_params)
+    return int(sum(x.size for x in jax.tree.leaves(model_or_params)))
 
 
 def reconfigure(model: Transformer, **changes: Any) -> Transformer:

@@ -22,9 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from bam_jax.config import ModelConfig
+from bam_jax.io.files import write_atomically
 from bam_jax.model import Transformer
 
 ARGS_FILE = "args.json"
@@ -240,12 +240,12 @@ def export_reference_checkpoint(
     if fmt == "pt":
         torch = _import_torch()
         tensors = {k: torch.from_numpy(np.array(v, order="C")) for k, v in state.items()}
-        _write_atomically(weights_path, lambda f: torch.save(tensors, f))
+        write_atomically(weights_path, lambda f: torch.save(tensors, f))
     else:
-        _write_atomically(weights_path, lambda f: np.savez(f, **state))
+        write_atomically(weights_path, lambda f: np.savez(f, **state))
     run_args = reference_args(config, prior_naming=prior_naming)
     text = json.dumps(run_args, indent=4).encode()
-    _write_atomically(run_dir / ARGS_FILE, lambda f: f.write(text))
+    write_atomically(run_dir / ARGS_FILE, lambda f: f.write(text))
     return weights_path
 
 
@@ -610,16 +610,3 @@ def _nested(flat: Mapping[tuple, Any]) -> dict:
             node = node.setdefault(part, {})
         node[path[-1]] = value
     return tree
-
-
-def _write_atomically(path: Path, write: Callable[[Any], Any]) -> None:
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise

@@ -26,6 +26,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from bam_jax.passkey import vocabulary_texts
+
 MISTRAL_V3_MODEL = "mistral_instruct_tokenizer_240323.model.v3"
 
 
@@ -253,8 +255,6 @@ def encode_checked(tokenizer: Tokenizer, text: str, where: str) -> np.ndarray:
 
 
 def _passkey_base_ids(base: Tokenizer) -> set[int]:
-    from bam_jax.passkey import vocabulary_texts
-
     ids = {i for text in vocabulary_texts() for i in base.encode(text)}
     return ids - {base.bos_id, base.eos_id}
 

@@ -693,9 +693,9 @@ def training_flops(params: int, cfg, tokens: int) -> float:
 
 
 def measure_training(cfg, settings: Settings, deadline: Deadline) -> dict[str, float]:
+    from bam_jax.model import count_params
     from train.data import train_iterator
     from train.loop import build
-    from train.state import count_params
 
     setup = build(cfg)
     start = time.perf_counter()

@@ -49,19 +49,16 @@ def measure(
     import numpy as np
 
     from bam_jax.config import ModelConfig
+    from bam_jax.inference import ChunkedForward
     from bam_jax.tokenizers import get_tokenizer
-    from eval.models import (
-        cache_bytes_per_slot,
-        for_inference,
-        make_scorer,
-        random_model,
-    )
+    from eval.memory import cache_bytes_per_slot
+    from eval.models import for_inference, random_model
     from eval.passkey import PasskeySettings, samples_for_length, score_samples
 
     spec = dict(MODELS[model_name])
     config = ModelConfig.of_size(spec.pop("preset"), encoding="bam_ssmax", **spec)
     model = for_inference(random_model(config), block_q=chunk, block_k=block_k)
-    scorer = make_scorer(model, chunk_size=chunk)
+    scorer = ChunkedForward(model, chunk_size=chunk)
     tokenizer = get_tokenizer("mistral")
     samples = samples_for_length(
         tokenizer, length, PasskeySettings(n_samples=repeats + 1, sampling="random")

@@ -25,7 +25,7 @@ RUN = """
 import json, sys, time
 from configs.presets import preset
 from train.loop import train
-from train.metrics import read_metrics
+from tests.run_metrics import read_metrics
 
 steps, log_every, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 cfg = preset("tiny").replace(

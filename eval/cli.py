@@ -17,29 +17,12 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
+from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.passkey import SAMPLINGS
-from eval import plots
-from eval.chunked import capacity_bucket, check_sample_memory
-from eval.models import (
-    EvalModel,
-    activation_bytes,
-    cache_bytes_per_slot,
-    for_inference,
-    load_eval_model,
-    make_scorer,
-    resolve_tokenizer,
-)
-from eval.passkey import PasskeySettings, evaluate_passkey
-from eval.perplexity import PACKINGS, evaluate_perplexity, load_rows
-from eval.prior_inspect import figure_table, head_classes, prior_curves, prior_table
-from eval.results import ResultStore
-from train.checkpoint import quiet_orphaned_checkpoint_reads
-
-# What the tables and figures read from each stored entry.
-PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")
-PERPLEXITY_FIELDS = ("positions", "perplexity")
+from eval import api, plots
+from eval.models import EvalModel
+from eval.perplexity import PACKINGS
 
 
 def parse_count(text: str) -> int:
@@ -197,214 +180,108 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_orphaned_checkpoint_reads()
     try:
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise ValueError(f"--out {args.out!r} is a file, expected a folder for the results")
-        models = [load_eval_model(m, step=args.step) for m in args.models]
-        names = [m.name for m in models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"model names must differ, got {names}; name them NAME=PATH")
+        check_arguments(args)
+        models = api.load_models(args.models, step=args.step)
         if "dtype" in args:
             print(f"compute dtype: {args.dtype} (parameters float32)")
-        return {"passkey": run_passkey, "perplexity": run_perplexity, "prior": run_prior}[
-            args.command
-        ](args, models)
+        return {"passkey": passkey, "perplexity": perplexity, "prior": prior}[args.command](
+            args, models
+        )
     except ValueError as e:
         print(f"bam-eval: error: {e}", file=sys.stderr)
         return 2
 
 
-def _scorer(args: argparse.Namespace, m: EvalModel):
-    model = for_inference(m.model, block_q=args.block_q, block_k=args.block_k, dtype=args.dtype)
-    return make_scorer(model, chunk_size=args.chunk_size), model.config
-
-
-def _memory_budget(args: argparse.Namespace) -> int:
-    return int(args.memory_gb * 2**30)
-
-
-def _lengths_for(args: argparse.Namespace, m: EvalModel) -> list[int]:
-    lengths = list(args.lengths or [])
-    lengths += [round(x * m.train_length) for x in args.multiples or []]
-    if not lengths:
+def check_arguments(args: argparse.Namespace) -> None:
+    """What can be checked before any model loads."""
+    api.check_out_folder(args.out)
+    if args.command == "passkey" and not (args.lengths or args.multiples):
         raise ValueError("give --lengths and/or --multiples")
-    return sorted(set(lengths))
+    if args.command == "perplexity":
+        api.check_perplexity_window(args.seq_len, args.window)
 
 
-def run_passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
-    tokenizer = resolve_tokenizer(models, args.tokenizer)
+def _inference(args: argparse.Namespace) -> api.InferenceSettings:
+    return api.InferenceSettings(
+        chunk_size=args.chunk_size,
+        block_q=args.block_q,
+        block_k=args.block_k,
+        dtype=args.dtype,
+        batch_size=args.batch_size,
+        memory_gb=args.memory_gb,
+    )
+
+
+def _print_figures(figures: list[str]) -> None:
+    for path in figures:
+        print(f"figure: {path}")
+
+
+def passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
+    train_lengths = {m.name: m.train_length for m in models}
     for sampling in args.sampling:
-        curves: dict[str, list[dict[str, Any]]] = {}
-        for m in models:
-            settings = PasskeySettings(
-                sampling=sampling,
-                n_samples=args.samples,
-                prefix_digits=args.prefix_digits,
-                seed=args.seed,
-                tokenizer=tokenizer.name,
-                checkpoint=m.checkpoint,
-                dtype=args.dtype,
-            )
-            scorer, config = _scorer(args, m)
-            lengths = _lengths_for(args, m)
-            store = ResultStore(
-                os.path.join(args.out, m.name, "passkey.json"), m.info(), PASSKEY_FIELDS
-            )
-            longest = capacity_bucket(max(*lengths, 1), args.chunk_size)
-            curves[m.name] = evaluate_passkey(
-                scorer,
-                tokenizer,
-                lengths,
-                settings,
-                store,
-                patience=args.patience,
-                batch_size=args.batch_size,
-                cache_bytes_per_slot=cache_bytes_per_slot(config),
-                activation_bytes=activation_bytes(config, args.chunk_size, longest),
-                memory_budget_bytes=_memory_budget(args),
-                train_length=m.train_length,
-                progress=not args.quiet,
-                label=m.name,
-            )
-            if not args.no_plots:
-                plots.depth_heatmap(
-                    curves[m.name],
-                    os.path.join(args.out, m.name, f"passkey_depth_{sampling}.png"),
-                    title=f"{m.name}: passkey accuracy by needle depth ({sampling})",
-                )
+        evaluation = api.run_passkey(
+            models,
+            lengths=args.lengths or (),
+            multiples=args.multiples or (),
+            samples=args.samples,
+            sampling=sampling,
+            prefix_digits=args.prefix_digits,
+            patience=args.patience,
+            seed=args.seed,
+            tokenizer=args.tokenizer,
+            inference=_inference(args),
+            out=args.out,
+            figures=not args.no_plots,
+            progress=not args.quiet,
+        )
         print(f"\nPasskey accuracy (%), sampling {sampling}, {args.samples} samples per length")
-        print(passkey_table(curves, {m.name: m.train_length for m in models}))
-        if not args.no_plots:
-            path = plots.accuracy_vs_length(
-                curves,
-                {m.name: m.train_length for m in models},
-                os.path.join(args.out, f"passkey_accuracy_{sampling}.png"),
-                title=f"Passkey retrieval ({sampling} needle depths)",
-            )
-            print(f"figure: {path}")
+        print(api.passkey_table(evaluation.results, train_lengths))
+        _print_figures(evaluation.figures[-1:])
     print(f"results: {os.path.join(args.out, '<model>', 'passkey.json')}")
     return 0
 
 
-def passkey_table(curves: dict[str, list[dict[str, Any]]], train_lengths: dict[str, int]) -> str:
-    """Rows: models; columns: target lengths (with the multiple of the training length
-    when all models share one)."""
-    lengths = sorted({e["target_length"] for entries in curves.values() for e in entries})
-    shared = set(train_lengths.values())
-    header = ["model", "train"] + [
-        f"{n}" + (f" ({n / next(iter(shared)):g}x)" if len(shared) == 1 else "") for n in lengths
-    ]
-    rows = []
-    for name, entries in curves.items():
-        by_length = {e["target_length"]: e for e in entries}
-        rows.append(
-            [name, str(train_lengths[name])]
-            + [f"{100 * by_length[n]['accuracy']:.0f}" if n in by_length else "-" for n in lengths]
-        )
-    return format_table(header, rows)
-
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def run_perplexity(args: argparse.Namespace, models: list[EvalModel]) -> int:
-    tokenizer = resolve_tokenizer(models, args.tokenizer)
-    if args.seq_len % args.window:
-        raise ValueError(f"--window {args.window} must divide --seq-len {args.seq_len}")
-    scorers = {m.name: _scorer(args, m) for m in models}
-    capacity = capacity_bucket(args.seq_len + 1, args.chunk_size)
-    for name, (_, config) in scorers.items():
-        check_sample_memory(
-            f"model {name!r}: perplexity at --seq-len {args.seq_len}",
-            capacity,
-            cache_bytes_per_slot(config),
-            activation_bytes(config, args.chunk_size, capacity),
-            _memory_budget(args),
-            "use a smaller --seq-len or raise --memory-gb",
-        )
-    rows = load_rows(
+def perplexity(args: argparse.Namespace, models: list[EvalModel]) -> int:
+    evaluation = api.run_perplexity(
+        models,
         args.data,
-        tokenizer,
-        args.seq_len,
-        args.sequences,
+        seq_len=args.seq_len,
+        window=args.window,
+        sequences=args.sequences,
         packing=args.packing,
         text_key=args.text_key,
+        tokenizer=args.tokenizer,
+        inference=_inference(args),
+        out=args.out,
+        figures=not args.no_plots,
+        progress=not args.quiet,
     )
-    curves: dict[str, dict[str, Any]] = {}
-    for m in models:
-        settings = {
-            "seq_len": args.seq_len,
-            "window": args.window,
-            "sequences": len(rows),
-            "packing": args.packing,
-            "tokenizer": tokenizer.name,
-            "checkpoint": m.checkpoint,
-            "dtype": args.dtype,
-        }
-        store = ResultStore(
-            os.path.join(args.out, m.name, "perplexity.json"), m.info(), PERPLEXITY_FIELDS
-        )
-        entry = store.get(settings, args.data)
-        if entry is None:
-            scorer, _ = scorers[m.name]
-            entry = evaluate_perplexity(
-                scorer,
-                rows,
-                window=args.window,
-                batch_size=args.batch_size or 1,
-                progress=not args.quiet,
-                label=m.name,
-            )
-            store.put(settings, args.data, entry)
-        curves[m.name] = entry
-    header = ["position", *curves]
-    positions = next(iter(curves.values()))["positions"]
-    table = [
-        [str(p)] + [f"{c['perplexity'][i]:.2f}" for c in curves.values()]
-        for i, p in enumerate(positions)
-    ]
-    print(f"\nPerplexity per window of {args.window} positions ({len(rows)} sequences)")
-    print(format_table(header, table))
-    if not args.no_plots:
-        path = plots.perplexity_vs_position(
-            curves,
-            {m.name: m.train_length for m in models},
-            os.path.join(args.out, "perplexity.png"),
-        )
-        print(f"figure: {path}")
+    n_sequences = next(iter(evaluation.results.values()))["n_sequences"]
+    print(f"\nPerplexity per window of {args.window} positions ({n_sequences} sequences)")
+    print(api.perplexity_table(evaluation.results))
+    _print_figures(evaluation.figures)
     return 0
 
 
-def run_prior(args: argparse.Namespace, models: list[EvalModel]) -> int:
+def prior(args: argparse.Namespace, models: list[EvalModel]) -> int:
+    evaluation = api.run_prior(
+        models, max_distance=args.max_distance, out=args.out, figures=not args.no_plots
+    )
     for m in models:
-        table = prior_table(m.model, m.config)
-        max_distance = args.max_distance or 500 * m.train_length
-        curves = prior_curves(m.config, table, max_distance)
-        store = ResultStore(os.path.join(args.out, m.name, "prior.json"), m.info())
-        store.put({"checkpoint": m.checkpoint}, "heads", {"table": table})
-        shown = figure_table(m.config, table)
+        result = evaluation.results[m.name]
+        shown = result["shown"]
         print(f"\n{m.name} ({m.config.encoding}): positional parameters")
         print(
-            format_table(
+            api.format_table(
                 list(shown[0]), [[plots.format_cell(r.get(c)) for c in shown[0]] for r in shown]
             )
         )
-        classes = head_classes(m.config, table)
+        classes = result["classes"]
         if classes:
             print(
                 f"heads: {classes['local']} local (theta_beta > 0), "
                 f"{classes['retrieval']} retrieval (theta_beta <= 0)"
             )
-        if not args.no_plots:
-            path = plots.prior_figure(
-                curves,
-                shown,
-                os.path.join(args.out, m.name, "prior.png"),
-                title=f"{m.name}: learned priors ({m.config.encoding})",
-                train_length=m.train_length,
-            )
-            print(f"figure: {path}")
+    _print_figures(evaluation.figures)
     return 0

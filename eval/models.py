@@ -15,17 +15,16 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from bam_jax.config import ModelConfig
-from bam_jax.inference import init_cache
+from bam_jax.io.checkpoints import checkpoint_dir, checkpoint_steps, error_summary, load_params
+from bam_jax.io.files import run_path
 from bam_jax.model import Transformer, reconfigure
 from bam_jax.pallas_attention import default_implementation
+from bam_jax.reference_checkpoint import load_reference_checkpoint
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
-from eval.chunked import ChunkedScorer
-from train.checkpoint import checkpoint_dir, error_summary, load_model, read_config, run_path
 
 REFERENCE_WEIGHTS = ("model.pt", "model.npz")
 
@@ -118,8 +117,6 @@ def load_eval_model(arg: str, *, step: int | None = None) -> EvalModel:
 def _load_reference(arg: str, name: str, path: str, step: int | None) -> EvalModel:
     if step is not None:
         raise ValueError(f"model {arg!r}: a reference run has one checkpoint, no steps")
-    from bam_jax.reference_checkpoint import load_reference_checkpoint
-
     try:
         config, model = load_reference_checkpoint(path)
     except (ValueError, ImportError) as error:
@@ -135,12 +132,12 @@ def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel
             f"{os.path.basename(directory)}/ folder) nor a reference run directory "
             f"(args.json with {' or '.join(REFERENCE_WEIGHTS)})"
         )
-    step = _checkpoint_step(arg, directory, step)
+    step = _checkpoint_step(arg, path, step)
     try:
-        train_config, _ = read_config(path, step)
-        config, model = load_model(path, step=step)
+        saved = load_params(path, step)
+        model = saved.model()
     except Exception as error:  # Orbax and TensorStore raise many types, by damaged file
-        others = [s for s in _steps(directory) if s != step]
+        others = [s for s in checkpoint_steps(path) if s != step]
         fallback = (
             f"evaluate another step with {path}@STEP (steps: {others})"
             if others
@@ -150,21 +147,17 @@ def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel
             f"model {arg!r}: checkpoint {os.path.join(directory, str(step))} cannot be read "
             f"({error_summary(error)}); it is damaged or incomplete: {fallback}"
         ) from error
-    return EvalModel(name, path, "workdir", step, config, model, train_config.data.tokenizer)
+    tokenizer = saved.run_config.get("data", {}).get("tokenizer")
+    return EvalModel(name, path, "workdir", step, saved.config, model, tokenizer)
 
 
-def _steps(directory: str) -> list[int]:
-    import orbax.checkpoint as ocp
-
-    return sorted(ocp.utils.checkpoint_steps(directory))
-
-
-def _checkpoint_step(arg: str, directory: str, step: int | None) -> int:
+def _checkpoint_step(arg: str, workdir: str, step: int | None) -> int:
     """The requested step, or the latest, after checking that it was saved completely."""
-    steps = _steps(directory)
+    steps = checkpoint_steps(workdir)
     if not steps:
         raise ValueError(
-            f"model {arg!r}: {directory} holds no complete checkpoint; train the run first"
+            f"model {arg!r}: {checkpoint_dir(workdir)} holds no complete checkpoint; train the "
+            "run first"
         )
     if step is None:
         return steps[-1]
@@ -238,30 +231,6 @@ def for_inference(
     if model.config.replace(**changes) == model.config:
         return model
     return reconfigure(model, **changes)
-
-
-def make_scorer(model: Transformer, *, chunk_size: int) -> ChunkedScorer:
-    config = model.config
-    return ChunkedScorer(model, lambda b, c: init_cache(config, b, c), chunk_size=chunk_size)
-
-
-def cache_bytes_per_slot(config: ModelConfig) -> int:
-    """Bytes of KV cache per sequence position (keys and values of every layer)."""
-    itemsize = jnp.dtype(config.dtype).itemsize
-    return 2 * config.n_layers * config.kv_heads * config.head_dim * itemsize
-
-
-def activation_bytes(config: ModelConfig, chunk_size: int, capacity: int) -> int:
-    """A generous estimate of one sequence's scratch memory while a chunk runs: float32
-    hidden states, MLP and logits of the chunk, attention tiles and per-slot position terms.
-    """
-    per_token = (
-        16 * config.dim
-        + 4 * config.ffn_hidden_dim
-        + config.vocab_size
-        + 2 * config.n_heads * min(config.block_k, capacity)
-    )
-    return 4 * (chunk_size * per_token + config.n_heads * capacity)
 
 
 def random_model(config: ModelConfig, seed: int = 0) -> Transformer:

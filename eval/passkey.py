@@ -1,7 +1,7 @@
 """Passkey retrieval sweeps (spec section 10) over prompt lengths, with reusable results.
 
 Samples of one length are built deterministically from (seed, length), scored in batches
-through a `ChunkedScorer`, and stored per length; lengths already in the results file
+through a `ChunkedForward`, and stored per length; lengths already in the results file
 for the same settings are read back instead of recomputed.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from bam_jax.inference import ChunkedForward, capacity_bucket
 from bam_jax.passkey import (
     PREDICTED_DIGITS,
     SAMPLINGS,
@@ -23,7 +24,7 @@ from bam_jax.passkey import (
     build_passkey_samples,
     passkey_template,
 )
-from eval.chunked import ChunkedScorer, capacity_bucket, check_sample_memory
+from eval.memory import check_sample_memory
 from eval.results import ResultStore
 
 
@@ -77,7 +78,7 @@ def stack_samples(samples: Sequence[PasskeySample]) -> tuple[np.ndarray, np.ndar
 
 
 def score_samples(
-    scorer: ChunkedScorer, samples: Sequence[PasskeySample], batch_size: int | None = None
+    scorer: ChunkedForward, samples: Sequence[PasskeySample], batch_size: int | None = None
 ) -> tuple[list[bool], np.ndarray]:
     """Greedy teacher-forced predictions of each key's last digits; correct = all match.
 
@@ -142,7 +143,7 @@ def _length_entry(
 
 
 def evaluate_passkey(
-    scorer: ChunkedScorer,
+    scorer: ChunkedForward,
     tokenizer: TextEncoder,
     lengths: Sequence[int],
     settings: PasskeySettings,
@@ -245,7 +246,7 @@ def _sweep(
 
 
 def _run_length(
-    scorer: ChunkedScorer,
+    scorer: ChunkedForward,
     tokenizer: TextEncoder,
     target_length: int,
     settings: PasskeySettings,

@@ -19,7 +19,6 @@ one row each, starting with BOS (the long-Wikipedia-articles protocol).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from collections.abc import Iterator
@@ -28,46 +27,23 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from bam_jax.inference import ChunkedForward
+from bam_jax.io.documents import is_saved_dataset, iter_dataset_texts, iter_documents, text_files
+from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.tokenizers import Tokenizer
-from eval.chunked import ChunkedScorer
 
 PACKINGS = ("concat", "documents")
 
 
-def _hf_documents(source: str, text_key: str) -> Iterator[str]:
-    if importlib.util.find_spec("datasets") is None:
-        raise ValueError(
-            f"data {source!r} needs the `datasets` package (pip install 'bam-jax[hf]')"
-        )
-    import datasets
-
+def _documents(source: str, text_key: str) -> Iterator[str]:
     if source.startswith("hf:"):
         name, _, split = source[3:].partition("@")
         name, _, subset = name.partition(":")
-        dataset = datasets.load_dataset(
-            name, subset or None, split=split or "train", streaming=True
+        return iter_dataset_texts(
+            name, subset=subset or None, split=split or "train", text_key=text_key
         )
-    else:
-        dataset = datasets.load_from_disk(source)
-        if isinstance(dataset, datasets.DatasetDict):
-            dataset = dataset["train"]
-    for record in dataset:
-        if text_key not in record:
-            raise ValueError(f"data {source!r}: records have no field {text_key!r}")
-        yield record[text_key]
-
-
-def _is_saved_dataset(path: str) -> bool:
-    return os.path.isdir(path) and any(
-        os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")
-    )
-
-
-def _documents(source: str, text_key: str) -> Iterator[str]:
-    from train.data import iter_documents, text_files
-
-    if source.startswith("hf:") or _is_saved_dataset(source):
-        return _hf_documents(source, text_key)
+    if is_saved_dataset(source):
+        return iter_dataset_texts(source, text_key=text_key)
     return iter_documents(text_files(source), text_key)
 
 
@@ -79,8 +55,6 @@ def _token_documents(source: str, tokenizer: Tokenizer, text_key: str) -> Iterat
         yield np.load(source, mmap_mode="r").astype(np.int32)
         return
     if os.path.isfile(os.path.join(source, "meta.json")):
-        from train.shards import open_shards, read_meta
-
         meta = read_meta(source)
         if meta.get("vocab_size", tokenizer.vocab_size) != tokenizer.vocab_size:
             raise ValueError(
@@ -142,7 +116,7 @@ def load_rows(
 
 
 def evaluate_perplexity(
-    scorer: ChunkedScorer,
+    scorer: ChunkedForward,
     rows_NxT: np.ndarray,
     *,
     window: int,

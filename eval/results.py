@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
+
+from bam_jax.io.files import write_text_atomically
 
 
 def settings_key(settings: dict[str, Any]) -> str:
@@ -23,20 +24,21 @@ def settings_key(settings: dict[str, Any]) -> str:
 
 
 class ResultStore:
-    """Results of one model for one task, backed by a JSON file.
+    """Results of one model for one task, backed by a JSON file (``path`` None: kept in
+    memory only).
 
     ``entry_fields``: keys every stored entry must have (checked when the file is read).
     """
 
     def __init__(
         self,
-        path: str,
+        path: str | None,
         model_info: dict[str, Any] | None = None,
         entry_fields: Sequence[str] = (),
     ):
         self.path = path
         self.data: dict[str, Any] = {"model": model_info or {}, "runs": {}}
-        if os.path.lexists(path):
+        if path is not None and os.path.lexists(path):
             self.data = _read_results(path, entry_fields)
             if model_info:
                 self.data["model"] = model_info
@@ -55,15 +57,13 @@ class ResultStore:
         self.save()
 
     def save(self) -> None:
-        directory = os.path.dirname(os.path.abspath(self.path))
+        if self.path is None:
+            return
         try:
-            os.makedirs(directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            write_text_atomically(self.path, json.dumps(self.data, indent=1))
         except OSError as error:
             raise ValueError(f"cannot write results file {self.path}: {error}") from error
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(self.data, f, indent=1)
-        os.replace(tmp, self.path)
 
 
 def _read_results(path: str, entry_fields: Sequence[str]) -> dict[str, Any]:

@@ -2,20 +2,21 @@
 CPU, then measure passkey retrieval at multiples of the training length up to 500x.
 
 The same code paths as a pod run: `train.loop.train` (grain data, optax, orbax
-checkpoints) and `bam-eval passkey` (chunked prefill through the KV cache with blockwise
-attention). Everything is written under --out: the run (checkpoints, metrics.jsonl), the
-results JSON per model and the figures.
+checkpoints) and `eval.api.run_passkey`, what `bam-eval passkey` runs (chunked prefill
+through the KV cache with blockwise attention). Everything is written under --out: the run
+(checkpoints, metrics.jsonl), the results JSON per model and the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Sequence
 
 from configs.presets import preset
-from eval.cli import main as eval_main
+from eval import api
 from train.config import TrainConfig
 from train.loop import train
 
@@ -72,22 +73,37 @@ def train_and_evaluate(
         train(cfg.replace(progress_bar=False), workdir)
         print(f"{encoding}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
         runs.append(f"{encoding}={workdir}")
-    argv = ["passkey", *runs, "--multiples", multiples, "--samples", str(samples)]
-    argv += ["--out", out, "--quiet"] + ([] if plots else ["--no-plots"])
-    return eval_main(argv)
+    models = api.load_models(runs)
+    evaluation = api.run_passkey(
+        models,
+        multiples=[float(m) for m in multiples.split(",") if m.strip()],
+        samples=samples,
+        out=out,
+        figures=plots,
+        progress=False,
+    )
+    print(f"\nPasskey accuracy (%), sampling equidistant, {samples} samples per length")
+    print(api.passkey_table(evaluation.results, {m.name: m.train_length for m in models}))
+    for path in evaluation.figures[-1:]:
+        print(f"figure: {path}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
-    status = train_and_evaluate(
-        [e.strip() for e in args.encodings.split(",") if e.strip()],
-        args.out,
-        steps=args.steps,
-        multiples=args.multiples,
-        samples=args.samples,
-        plots=not args.no_plots,
-        preset_name=args.preset,
-    )
+    try:
+        status = train_and_evaluate(
+            [e.strip() for e in args.encodings.split(",") if e.strip()],
+            args.out,
+            steps=args.steps,
+            multiples=args.multiples,
+            samples=args.samples,
+            plots=not args.no_plots,
+            preset_name=args.preset,
+        )
+    except ValueError as e:
+        print(f"bam-quickstart: error: {e}", file=sys.stderr)
+        return 2
     print(f"quick start finished in {time.perf_counter() - start:.0f} s")
     return status

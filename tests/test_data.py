@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from bam_jax import passkey
+from bam_jax.io import documents
+from bam_jax.io import shards as shard_readers
 from bam_jax.tokenizers import get_tokenizer
 from train import shards
 from train.data import (
@@ -144,7 +146,7 @@ def test_validation_is_a_held_out_prefix(text_file):
 def test_shards_match_text_rows(text_file, tmp_path):
     path, _ = text_file
     out = str(tmp_path / "shards")
-    texts = shards.iter_dataset_texts(path)
+    texts = documents.iter_dataset_texts(path)
     meta = shards.write_shards(texts, out, get_tokenizer("byte"), shard_tokens=300)
     assert len(meta["shards"]) > 2 and meta["vocab_size"] == 259
     text_cfg = DataConfig(source="text", path=path, tokenizer="byte", val_rows=0, shuffle=False)
@@ -161,7 +163,7 @@ def test_shards_from_a_saved_hugging_face_dataset(tmp_path):
     datasets.Dataset.from_dict({"text": ["hello world", "bam attention"]}).save_to_disk(saved)
     out = str(tmp_path / "shards")
     shards.main(["--dataset", saved, "--out", out, "--tokenizer", "byte"])
-    tokens, starts = shards.open_shards(out)[0]
+    tokens, starts = shard_readers.open_shards(out)[0]
     byte = get_tokenizer("byte")
     assert starts.tolist() == [0, 13]
     assert byte.decode(tokens[starts[1] + 1 : -1].tolist()) == "bam attention"
@@ -175,7 +177,7 @@ def test_hub_dataset_offline_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(ValueError, match="could not stream 'HuggingFaceFW/fineweb'"):
-        next(shards.iter_dataset_texts("HuggingFaceFW/fineweb", subset="sample-10BT"))
+        next(documents.iter_dataset_texts("HuggingFaceFW/fineweb", subset="sample-10BT"))
 
 
 def test_processes_read_disjoint_parts_of_the_global_batch():

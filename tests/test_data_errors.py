@@ -11,17 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bam_jax.io import shards as shard_readers
+from bam_jax.io.documents import Document, iter_documents, located_documents
 from bam_jax.tokenizers import ByteTokenizer, get_tokenizer
 from configs.presets import preset
 from train import loop, shards
-from train.data import (
-    DataConfig,
-    Document,
-    build_rows,
-    iter_documents,
-    located_documents,
-    tokenize_documents,
-)
+from train.data import DataConfig, build_rows, tokenize_documents
 
 GOOD = json.dumps({"text": "a good line"})
 
@@ -158,8 +153,10 @@ def put_token(shard_dir: str, name: str, position: int, value: int) -> str:
 
 
 def test_write_shards_records_the_id_range(shard_dir):
-    meta = shards.read_meta(shard_dir)
-    for shard, (tokens, _) in zip(meta["shards"], shards.open_shards(shard_dir), strict=True):
+    meta = shard_readers.read_meta(shard_dir)
+    for shard, (tokens, _) in zip(
+        meta["shards"], shard_readers.open_shards(shard_dir), strict=True
+    ):
         assert (shard["min_id"], shard["max_id"]) == (tokens.min(), tokens.max())
 
 
@@ -172,17 +169,17 @@ def test_recorded_id_range_past_the_vocabulary_names_file_id_and_position(shard_
         r"outside the vocabulary \[0, 100\)"
     )
     with pytest.raises(ValueError, match=expected):
-        shards.open_shards(shard_dir)
+        shard_readers.open_shards(shard_dir)
 
 
 @pytest.mark.parametrize("bad_id", [300, -1])
 def test_shards_without_an_id_range_are_scanned(shard_dir, bad_id):
     edit_meta(shard_dir, without_id_range)
-    shards.open_shards(shard_dir)
+    shard_readers.open_shards(shard_dir)
     file = put_token(shard_dir, "shard-00001", 7, bad_id)
     expected = rf"^{file}: token id {bad_id} at position 7, outside the vocabulary \[0, 259\)"
     with pytest.raises(ValueError, match=expected):
-        shards.open_shards(shard_dir)
+        shard_readers.open_shards(shard_dir)
 
 
 @pytest.mark.parametrize("bad_id", [300, -1])
@@ -198,11 +195,11 @@ def test_a_shard_damaged_after_its_id_range_was_recorded_fails_when_read(shard_d
 
 def test_shards_without_an_id_range_are_scanned_once(shard_dir):
     edit_meta(shard_dir, without_id_range)
-    n_shards = len(shards.read_meta(shard_dir)["shards"])
-    before = shards._id_range.cache_info().misses
+    n_shards = len(shard_readers.read_meta(shard_dir)["shards"])
+    before = shard_readers._id_range.cache_info().misses
     for _ in range(3):
-        shards.open_shards(shard_dir)
-    assert shards._id_range.cache_info().misses - before == n_shards
+        shard_readers.open_shards(shard_dir)
+    assert shard_readers._id_range.cache_info().misses - before == n_shards
 
 
 @pytest.mark.parametrize(
@@ -232,7 +229,7 @@ def test_shards_without_an_id_range_are_scanned_once(shard_dir):
 def test_damaged_shard_directory_names_the_file(shard_dir, damage, expected):
     damage(shard_dir)
     with pytest.raises(ValueError, match=expected):
-        shards.open_shards(shard_dir)
+        shard_readers.open_shards(shard_dir)
 
 
 def test_unordered_document_starts_name_the_file(shard_dir):
@@ -240,7 +237,7 @@ def test_unordered_document_starts_name_the_file(shard_dir):
     starts = np.load(file)
     np.save(file, starts[::-1].copy())
     with pytest.raises(ValueError, match=r"shard-00000.starts.npy: document starts must rise"):
-        shards.open_shards(shard_dir)
+        shard_readers.open_shards(shard_dir)
 
 
 def test_write_shards_never_overwrites_existing_shards(shard_dir):

@@ -7,7 +7,9 @@ import pytest
 from flax import nnx
 
 from bam_jax.config import ModelConfig
-from eval.models import cache_bytes_per_slot, for_inference, make_scorer, random_model
+from bam_jax.inference import ChunkedForward
+from eval.memory import cache_bytes_per_slot
+from eval.models import for_inference, random_model
 
 
 def _model(encoding: str, scan_layers: bool = False):
@@ -35,7 +37,7 @@ def test_chunked_logits_match_full_forward(encoding: str, scan_layers: bool) -> 
     tokens = np.random.default_rng(0).integers(3, 64, size=(2, 75)).astype(np.int32)
     full = np.asarray(_full_forward(model, tokens))
     positions = np.array([[0, 15, 16, 40, 74], [5, 31, 32, 33, 70]])
-    scorer = make_scorer(for_inference(model, block_q=8, block_k=8), chunk_size=16)
+    scorer = ChunkedForward(for_inference(model, block_q=8, block_k=8), chunk_size=16)
     chunked = scorer.logits_at(tokens, positions)
     expected = np.take_along_axis(full, positions[..., None], axis=1)
     np.testing.assert_allclose(chunked, expected, atol=2e-4, rtol=2e-4)
@@ -48,13 +50,13 @@ def test_chunked_loss_matches_full_forward() -> None:
     top = logits.max(-1, keepdims=True)
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     expected = -np.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
-    scorer = make_scorer(for_inference(model), chunk_size=16)
+    scorer = ChunkedForward(for_inference(model), chunk_size=16)
     np.testing.assert_allclose(scorer.next_token_loss(tokens)[0], expected, atol=2e-4)
 
 
 def test_memory_at_16k_is_linear_not_quadratic() -> None:
     config = ModelConfig.of_size("toy", encoding="bam_ssmax")
-    scorer = make_scorer(for_inference(random_model(config)), chunk_size=512)
+    scorer = ChunkedForward(for_inference(random_model(config)), chunk_size=512)
     one_chunk = scorer.compiled_temp_bytes(1, 512)
     at_16k = scorer.compiled_temp_bytes(1, 16_384)
     cache_16k = cache_bytes_per_slot(config) * 16_384

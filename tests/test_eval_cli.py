@@ -9,6 +9,7 @@ import pytest
 
 from bam_jax.config import ModelConfig
 from bam_jax.reference_checkpoint import export_reference_checkpoint
+from eval import api
 from eval.cli import main, parse_count
 from eval.models import parse_model_arg, random_model
 
@@ -108,3 +109,27 @@ def test_clear_errors(run_dir, tmp_path, capsys) -> None:
     argv = ["passkey", run_dir, "--lengths", "1k", "--out", str(tmp_path)]  # mistral: 32768 ids
     assert main(argv) == 2
     assert "do not match" in capsys.readouterr().err
+
+
+def test_run_passkey_returns_what_the_command_stores(run_dir, tmp_path) -> None:
+    argv = (
+        f"passkey m={run_dir} --tokenizer byte --lengths 300,400 --samples 3 "
+        f"--chunk-size 128 --out {tmp_path / 'out'} --quiet --no-plots"
+    ).split()
+    assert main(argv) == 0
+    (run,) = json.loads((tmp_path / "out" / "m" / "passkey.json").read_text())["runs"].values()
+    evaluation = api.run_passkey(
+        api.load_models([f"m={run_dir}"]),
+        lengths=[300, 400],
+        samples=3,
+        tokenizer="byte",
+        inference=api.InferenceSettings(chunk_size=128),
+        progress=False,
+    )
+    entries = evaluation.results["m"]
+    assert [e["target_length"] for e in entries] == [300, 400]
+    for entry in entries:
+        stored = run["entries"][str(entry["target_length"])]
+        assert entry["accuracy"] == stored["accuracy"]
+        assert entry["correct"] == stored["correct"]
+    assert evaluation.figures == []

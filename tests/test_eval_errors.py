@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import pytest
 
 from bam_jax.config import ModelConfig
+from bam_jax.inference import ChunkedForward
 from bam_jax.reference_checkpoint import export_reference_checkpoint
 from bam_jax.tokenizers import ByteTokenizer
-from eval.chunked import ChunkedScorer
 from eval.cli import build_parser, main
 from eval.models import random_model
 from eval.passkey import PasskeySettings, auto_batch_size, evaluate_passkey
@@ -80,7 +80,7 @@ def test_a_sample_over_the_memory_budget_is_refused_before_any_work(run_dir, tmp
 
 
 def test_evaluate_passkey_checks_one_sample_against_the_budget(tmp_path):
-    scorer = ChunkedScorer(random_model(CONFIG), lambda b, c: None, chunk_size=128)
+    scorer = ChunkedForward(random_model(CONFIG), lambda b, c: None, chunk_size=128)
     store = ResultStore(str(tmp_path / "p.json"))
     with pytest.raises(ValueError, match=r"passkey length 2000 .*KV cache of 2048 slots"):
         evaluate_passkey(

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bam_jax import inference
+from bam_jax.inference import ChunkedForward, capacity_bucket
 from bam_jax.passkey import passkey_template
 from bam_jax.tokenizers import ByteTokenizer
-from eval.chunked import ChunkedScorer, capacity_bucket
 from eval.passkey import (
     PasskeySettings,
     evaluate_passkey,
@@ -85,7 +86,7 @@ def test_capacity_buckets() -> None:
 
 
 def test_logits_at_positions_across_chunks() -> None:
-    scorer = ChunkedScorer(EchoModel(), stub_cache, chunk_size=16)
+    scorer = ChunkedForward(EchoModel(), stub_cache, chunk_size=16)
     tokens = np.arange(2 * 50).reshape(2, 50) % 7
     positions = np.array([[0, 15, 16, 49], [3, 31, 32, 40]])
     logits = scorer.logits_at(tokens, positions)
@@ -98,11 +99,11 @@ def test_oracle_scores_all_and_constant_none() -> None:
     settings = PasskeySettings(n_samples=4, seed=3)
     samples = samples_for_length(TOKENIZER, 900, settings)
     tokens_BxT, _ = stack_samples(samples)
-    oracle = ChunkedScorer(OracleModel(tokens_BxT), stub_cache, chunk_size=64)
+    oracle = ChunkedForward(OracleModel(tokens_BxT), stub_cache, chunk_size=64)
     correct, predicted = score_samples(oracle, samples)
     assert correct == [True] * 4
     assert [TOKENIZER.decode(p.tolist()) for p in predicted] == [str(s.key)[-5:] for s in samples]
-    constant = ChunkedScorer(ConstantModel(), stub_cache, chunk_size=64)
+    constant = ChunkedForward(ConstantModel(), stub_cache, chunk_size=64)
     assert score_samples(constant, samples)[0] == [False] * 4
 
 
@@ -110,14 +111,15 @@ def test_one_wrong_digit_is_wrong() -> None:
     samples = samples_for_length(TOKENIZER, 700, PasskeySettings(n_samples=2))
     tokens_BxT, _ = stack_samples(samples)
     tokens_BxT[0, samples[0].answer_positions[2]] = ord("x") + 3  # the oracle learns a typo
-    scorer = ChunkedScorer(OracleModel(tokens_BxT), stub_cache, chunk_size=32)
+    scorer = ChunkedForward(OracleModel(tokens_BxT), stub_cache, chunk_size=32)
     assert score_samples(scorer, samples)[0] == [False, True]
 
 
 def test_sweep_reuses_stored_lengths(tmp_path) -> None:
     settings = PasskeySettings(n_samples=3, tokenizer="byte")
     store = ResultStore(str(tmp_path / "passkey.json"), {"name": "const"})
-    scorer = ChunkedScorer(ConstantModel(), stub_cache, chunk_size=128)
+    scorer = ChunkedForward(ConstantModel(), stub_cache, chunk_size=128)
+    compiled_before = inference._advance._cache_size(), inference._gather._cache_size()
     first = evaluate_passkey(scorer, TOKENIZER, [600, 1200], settings, store, progress=False)
     assert [r["accuracy"] for r in first] == [0.0, 0.0]
     assert scorer.stats.sequences == 6
@@ -128,7 +130,9 @@ def test_sweep_reuses_stored_lengths(tmp_path) -> None:
     assert [r["target_length"] for r in again] == [600, 1200, 1800]
     assert again[:2] == first
     # One shared cache capacity and batch shape per sweep: each step compiled once per run.
-    assert scorer._advance._cache_size() <= 2 and scorer._gather._cache_size() <= 2
+    advance_compiles = inference._advance._cache_size() - compiled_before[0]
+    gather_compiles = inference._gather._cache_size() - compiled_before[1]
+    assert advance_compiles <= 2 and gather_compiles <= 2
     entry = again[2]
     assert len(entry["correct"]) == 3 and len(entry["depths"]) == 3
     n_filler = entry["n_filler"]
@@ -139,7 +143,7 @@ def test_sweep_reuses_stored_lengths(tmp_path) -> None:
 
 def test_patience_stops_after_zero_lengths(tmp_path) -> None:
     store = ResultStore(str(tmp_path / "p.json"))
-    scorer = ChunkedScorer(ConstantModel(), stub_cache, chunk_size=128)
+    scorer = ChunkedForward(ConstantModel(), stub_cache, chunk_size=128)
     out = evaluate_passkey(
         scorer,
         TOKENIZER,
@@ -155,7 +159,7 @@ def test_patience_stops_after_zero_lengths(tmp_path) -> None:
 def test_length_below_minimum_is_a_clear_error(tmp_path) -> None:
     minimum = passkey_template(TOKENIZER).min_length
     store = ResultStore(str(tmp_path / "p.json"))
-    scorer = ChunkedScorer(ConstantModel(), stub_cache, chunk_size=128)
+    scorer = ChunkedForward(ConstantModel(), stub_cache, chunk_size=128)
     with pytest.raises(ValueError, match="minimum"):
         evaluate_passkey(scorer, TOKENIZER, [minimum - 1], PasskeySettings(), store, progress=False)
     assert scorer.stats.sequences == 0

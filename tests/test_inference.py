@@ -13,7 +13,8 @@ from flax import nnx
 
 from bam_jax import inference
 from bam_jax.config import ModelConfig
-from bam_jax.inference import KVCache, decode_step, generate, init_cache, prefill
+from bam_jax.inference import decode_step, generate, init_cache, prefill
+from bam_jax.kv_cache import KVCache
 from bam_jax.model import PriorParam, SSMaxParam, Transformer, reconfigure
 
 PROMPT_LEN, TOTAL_LEN, CAPACITY = 13, 16, 24
@@ -85,13 +86,13 @@ def test_prefill_compiles_once_per_chunk_shape():
     model = built("bam_ssmax")
     cache = init_cache(model.config, 2, CAPACITY)
     prefill(model, tokens_for(model, 7), cache, chunk_size=5)
-    compiled = inference._forward_chunk._cache_size()
+    compiled = inference._advance._cache_size(), inference._gather._cache_size()
     for length in (4, 9, 11):  # other prompt lengths, same chunk and cache shapes
         cache = init_cache(model.config, 2, CAPACITY)
         logits, cache = prefill(model, tokens_for(model, length), cache, chunk_size=5)
         assert int(cache.length) == length
         chex.assert_shape(logits, (2, model.config.vocab_size))
-    assert inference._forward_chunk._cache_size() == compiled
+    assert (inference._advance._cache_size(), inference._gather._cache_size()) == compiled
 
 
 def test_generate_greedy_follows_the_full_forward_argmax():

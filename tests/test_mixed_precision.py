@@ -29,6 +29,7 @@ from bam_jax import model as model_module
 from bam_jax.config import ModelConfig
 from bam_jax.model import Transformer, reconfigure
 from bam_jax.reference_checkpoint import export_reference_checkpoint, load_reference_checkpoint
+from eval import api as eval_api
 from eval import cli as eval_cli
 from eval.models import random_model
 
@@ -193,14 +194,14 @@ def bfloat16_trained_run(tmp_path: Path, monkeypatch) -> str:
     """A run whose checkpoint records dtype bfloat16, as training under bfloat16 leaves."""
     config = ModelConfig.of_size("nano", vocab_size=259, max_seq_len=64)
     export_reference_checkpoint(random_model(config), config, tmp_path / "run", fmt="npz")
-    load = eval_cli.load_eval_model
+    load = eval_api.load_eval_model
 
     def load_as_trained_in_bfloat16(arg: str, **kwargs) -> eval_cli.EvalModel:
         m = load(arg, **kwargs)
         model = reconfigure(m.model, dtype="bfloat16")
         return dataclasses.replace(m, config=model.config, model=model)
 
-    monkeypatch.setattr(eval_cli, "load_eval_model", load_as_trained_in_bfloat16)
+    monkeypatch.setattr(eval_api, "load_eval_model", load_as_trained_in_bfloat16)
     return str(tmp_path / "run")
 
 
@@ -210,13 +211,13 @@ def bfloat16_trained_run(tmp_path: Path, monkeypatch) -> str:
 def test_evaluation_runs_in_float32_unless_asked(tmp_path, monkeypatch, capsys, flag, expected):
     run_dir = bfloat16_trained_run(tmp_path, monkeypatch)
     scored_in: list[str] = []
-    make_scorer = eval_cli.make_scorer
+    chunked_forward = eval_api.ChunkedForward
 
     def recording(model: Transformer, **kwargs):
         scored_in.append(model.config.dtype)
-        return make_scorer(model, **kwargs)
+        return chunked_forward(model, **kwargs)
 
-    monkeypatch.setattr(eval_cli, "make_scorer", recording)
+    monkeypatch.setattr(eval_api, "ChunkedForward", recording)
     argv = f"passkey {run_dir} --tokenizer byte --lengths 0 --samples 1 --no-plots --quiet"
     assert eval_cli.main([*argv.split(), "--out", str(tmp_path / "out"), *flag]) == 0
     assert scored_in == [expected]

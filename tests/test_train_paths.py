@@ -15,23 +15,20 @@ import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
 
+from bam_jax.io.checkpoints import CheckpointReadError, checkpoint_dir, load_model
+from bam_jax.io.files import run_path
+from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.tokenizers import get_tokenizer
 from configs.presets import preset
+from tests.run_metrics import read_metrics
 from tests.word_corpus import write_word_corpus
 from train import loop
-from train.checkpoint import (
-    Checkpointer,
-    CheckpointReadError,
-    checkpoint_dir,
-    load_model,
-    read_config,
-    run_path,
-)
+from train.checkpoint import Checkpointer, read_config
 from train.config import validate_for_runtime
 from train.data import DataConfig
 from train.loop import train
-from train.metrics import MetricsWriter, read_metrics
-from train.shards import open_shards, read_meta, write_shards
+from train.metrics import MetricsWriter
+from train.shards import write_shards
 
 STEPS = 2
 

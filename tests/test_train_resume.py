@@ -15,13 +15,15 @@ import jax
 import numpy as np
 import pytest
 
+from bam_jax.io.checkpoints import error_summary, load_model, quiet_orphaned_checkpoint_reads
 from configs.presets import preset
+from tests.run_metrics import read_metrics
 from tests.word_corpus import write_word_corpus
 from train import loop
-from train.checkpoint import load_model, read_config
+from train.checkpoint import read_config
 from train.data import DataConfig
 from train.loop import train
-from train.metrics import MetricsWriter, read_metrics
+from train.metrics import MetricsWriter
 from train.state import ModelParts
 
 STEPS = 4
@@ -234,8 +236,6 @@ def test_an_unusable_workdir_is_a_one_line_error(tmp_path, corpus, monkeypatch, 
 def test_reads_orphaned_by_a_failed_restore_print_nothing(monkeypatch):
     import sys
     import types
-
-    from train.checkpoint import error_summary, quiet_orphaned_checkpoint_reads
 
     passed_on = []
     monkeypatch.setattr(sys, "unraisablehook", passed_on.append)

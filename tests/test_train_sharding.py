@@ -167,7 +167,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
     assert len(_losses(multi)) == 4
     compare = f"""
         import numpy as np, jax
-        from train.checkpoint import load_model
+        from bam_jax.io.checkpoints import load_model
         from train.state import ModelParts
         params = []
         for workdir in ({multi!r}, {single!r}):

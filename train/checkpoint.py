@@ -2,7 +2,7 @@
 when complete), keeping the last `keep_last` plus every `keep_every`-th step, plus the newest
 step known to be good (see `Checkpointer.mark_good`).
 
-Each checkpoint `WORKDIR/checkpoints/STEP/` holds
+Each checkpoint `WORKDIR/checkpoints/STEP/` holds (and `bam_jax.io.checkpoints` reads)
   state/   the TrainState (step, params, consts, optimizer state), sharded arrays
   data/    the grain iterator state, one JSON file per process
   config/  the resolved TrainConfig as JSON
@@ -18,18 +18,11 @@ checkpoint restores on another mesh and on another number of processes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import json
 import os
-import pathlib
-import re
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit
-from urllib.request import url2pathname
 
 import grain
 import jax
@@ -37,15 +30,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bam_jax.config import ModelConfig
-from bam_jax.model import Transformer
+from bam_jax.io.checkpoints import checkpoint_dir, explained_read_errors, read_run_config
 from train.config import TrainConfig
-from train.optim import make_optimizer
-from train.state import ModelParts, TrainState, init_state
-
-CHECKPOINT_DIR = "checkpoints"
-_MAX_REASON_CHARS = 300
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+from train.state import TrainState
 
 preservation = ocp.checkpoint_managers.preservation_policy
 
@@ -59,95 +46,6 @@ class IteratorSnapshot:
 
     def get_state(self) -> bytes:
         return json.dumps(self.state).encode()
-
-
-def is_url(location: str | os.PathLike) -> bool:
-    """Whether `location` is a URL (`scheme://...`); `run:1` or `a:b` are local names."""
-    return _URL.match(os.fspath(location)) is not None
-
-
-def run_path(location: str | os.PathLike) -> epath.Path:
-    """A workdir (or a file in it) as an epath: URLs untouched, `file://` URLs and other
-    locations as absolute local paths. ValueError for a scheme epath cannot write to."""
-    text = os.fspath(location)
-    if not text:
-        raise ValueError("workdir: empty; expected a directory or a URL")
-    if text.lower().startswith("file://"):
-        return epath.Path(pathlib.Path(local_path_of_file_url(text, "workdir")))
-    if not is_url(text):
-        # Through pathlib, so that a local name holding "://" is never taken for a URL.
-        return epath.Path(pathlib.Path(os.path.abspath(text)))
-    try:
-        return epath.Path(text)
-    except KeyError:
-        scheme = text.split("://", 1)[0]
-        raise ValueError(
-            f"workdir: {text!r} has the URL scheme {scheme}://, which etils.epath does not "
-            "support; use gs://, s3://, az://, hf://, file:// or a local path"
-        ) from None
-
-
-def local_path_of_file_url(url: str, field: str) -> str:
-    """The local path of a `file://` URL (`file:///tmp/x`, `file://localhost/tmp/x`)."""
-    parts = urlsplit(url)
-    if parts.netloc not in ("", "localhost") or not parts.path:
-        raise ValueError(
-            f"{field}: {url!r} is not a local file URL; expected file:///ABSOLUTE/PATH"
-        )
-    return url2pathname(parts.path)
-
-
-def checkpoint_dir(workdir: str | os.PathLike) -> str:
-    return os.fspath(run_path(workdir) / CHECKPOINT_DIR)
-
-
-def error_summary(err: BaseException) -> str:
-    """One line saying why a checkpoint failed to load. Orbax wraps tensorstore's message
-    (which names the file and the damage) in an exception whose own text is a page of spec,
-    so the innermost cause is the informative one."""
-    seen = {id(err)}
-    while (inner := _cause(err)) is not None and id(inner) not in seen:
-        err = inner
-        seen.add(id(err))
-    lines = str(err).strip().splitlines()
-    text = f"{type(err).__name__}: {lines[0] if lines else 'no message'}"
-    return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
-
-
-def _cause(err: BaseException) -> BaseException | None:
-    """What `err` was raised from, or during (`raise ... from None` hides the latter)."""
-    if err.__cause__ is not None or err.__suppress_context__:
-        return err.__cause__
-    return err.__context__
-
-
-def quiet_orphaned_checkpoint_reads() -> None:
-    """After a checkpoint fails to load, TensorStore finishes the reads still in flight and
-    hands them to Orbax's event loop, which is closed by then; each would print a traceback
-    after the one-line error. Those, and only those, are dropped."""
-    default_hook = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        error = unraisable.exc_value
-        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-            return
-        default_hook(unraisable)
-
-    sys.unraisablehook = hook
-
-
-class CheckpointReadError(ValueError):
-    """A checkpoint's files could not be read; the message names its directory and why."""
-
-
-@contextlib.contextmanager
-def explained_read_errors(step_dir: str) -> Iterator[None]:
-    """Any failure inside becomes a one-line CheckpointReadError naming `step_dir`."""
-    try:
-        yield
-    except Exception as err:  # orbax, tensorstore and json raise many types for one cause
-        message = f"checkpoint: {step_dir} cannot be read: {error_summary(err)}"
-        raise CheckpointReadError(message) from err
 
 
 @dataclasses.dataclass
@@ -263,47 +161,7 @@ def read_data_state(data_dir: epath.Path) -> dict:
     return next(iter(states.values()))
 
 
-@contextlib.contextmanager
-def _reader(workdir: str | os.PathLike) -> Iterator[ocp.CheckpointManager]:
-    """A manager that only reads: it creates no directory."""
-    options = ocp.CheckpointManagerOptions(create=False)
-    manager = ocp.CheckpointManager(epath.Path(checkpoint_dir(workdir)), options=options)
-    try:
-        yield manager
-    finally:
-        manager.close()
-
-
 def read_config(workdir: str | os.PathLike, step: int | None = None) -> tuple[TrainConfig, int]:
     """The config stored with a checkpoint (the latest when `step` is None) and its step."""
-    with _reader(workdir) as manager:
-        step = manager.latest_step() if step is None else step
-        if step is None or step not in manager.all_steps():
-            raise ValueError(
-                f"workdir: no checkpoint{'' if step is None else f' at step {step}'} in "
-                f"{checkpoint_dir(workdir)} (steps: {list(manager.all_steps())})"
-            )
-        with explained_read_errors(os.path.join(checkpoint_dir(workdir), str(step))):
-            args = ocp.args.Composite(config=ocp.args.JsonRestore())
-            return TrainConfig.from_dict(manager.restore(step, args=args)["config"]), step
-
-
-def load_model(
-    workdir: str | os.PathLike, step: int | None = None
-) -> tuple[ModelConfig, Transformer]:
-    """The model of a training run's checkpoint (latest when `step` is None), on one device."""
-    cfg, step = read_config(workdir, step)
-    parts, _, _ = ModelParts.from_config(cfg.model)
-    tx = make_optimizer(cfg.optim, cfg.steps, parts.labels)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.eval_shape(functools.partial(init_state, cfg.model, parts, tx, cfg.seed))
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
-    )
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-    with (
-        _reader(workdir) as manager,
-        explained_read_errors(os.path.join(checkpoint_dir(workdir), str(step))),
-    ):
-        state: Any = manager.restore(step, args=args)["state"]
-    return cfg.model, parts.merge(state.params, state.consts)
+    saved, step = read_run_config(workdir, step)
+    return TrainConfig.from_dict(saved), step

@@ -42,9 +42,9 @@ import types
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
+from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from configs.presets import TRAINING_PRESETS, preset
-from train.checkpoint import quiet_orphaned_checkpoint_reads
 from train.config import TrainConfig, describe_type, field_type, to_config_dict
 from train.loop import NonFiniteLossError, build, dry_run, format_dry_run, train
 

@@ -21,6 +21,8 @@ import numpy as np
 from ml_collections import ConfigDict, config_dict
 
 from bam_jax.config import FLOAT32_MAX, ModelConfig
+from bam_jax.io.shards import local_shard_dir, read_meta
+from bam_jax.tokenizers import get_tokenizer
 from train.data import DataConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -331,7 +333,6 @@ def _check_finite_float32(name: str, value: Any) -> None:
 
 def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1) -> None:
     """Checks that need the devices, the files and the tokenizer; raise ValueError."""
-    from bam_jax.tokenizers import get_tokenizer
 
     data_size, fsdp_size, _ = cfg.mesh.resolve(n_devices)
     batch_shards = data_size * fsdp_size
@@ -351,8 +352,6 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
         )
     data_path = cfg.data.path
     if cfg.data.source == "shards":
-        from train.shards import local_shard_dir
-
         data_path = local_shard_dir(data_path)
     if cfg.data.source != "passkey" and not _path_exists(data_path):
         raise ValueError(f"data.path: {cfg.data.path!r} does not exist")
@@ -385,11 +384,8 @@ def _path_exists(path: str) -> bool:
 
 def _data_vocab(cfg: TrainConfig) -> tuple[int, str]:
     """The data's vocabulary size and where it comes from, for errors."""
-    from bam_jax.tokenizers import get_tokenizer
 
     if cfg.data.source == "shards":
-        from train.shards import read_meta
-
         meta = read_meta(cfg.data.path)
         tokenizer = meta.get("tokenizer")
         return int(meta["vocab_size"]), f"the shards in {cfg.data.path!r} (tokenizer {tokenizer!r})"

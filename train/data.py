@@ -26,23 +26,20 @@ each process reads only the rows of its slice of the batch axis.
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
-import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
 
 import grain
 import numpy as np
 
 from bam_jax import passkey
+from bam_jax.io.documents import Document, located_documents, text_files
+from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.tokenizers import Tokenizer, encode_checked, get_tokenizer, special_id
 
 Row = dict[str, np.ndarray]
 SOURCES = ("passkey", "text", "shards")
 PASSKEY_LOSSES = ("answer", "all")
-TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,100 +265,6 @@ class TokenStreamRows:
         )
 
 
-def text_files(path: str) -> list[str]:
-    """The .txt/.jsonl files named by a file, a directory or a glob, sorted."""
-    if os.path.isdir(path):
-        files = [os.path.join(path, f) for f in os.listdir(path)]
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        files = glob.glob(path)
-    files = sorted(f for f in files if f.endswith(TEXT_SUFFIXES) and os.path.isfile(f))
-    if not files:
-        raise ValueError(f"data.path: no .txt or .jsonl files found at {path!r}")
-    return files
-
-
-class Document(NamedTuple):
-    """A document's text and where it came from ("FILE" or "FILE line N"), for errors."""
-
-    where: str
-    text: str
-
-
-def located_documents(files: Sequence[str], text_key: str = "text") -> Iterator[Document]:
-    """One document per .txt file, one per non-blank .jsonl line (field `text_key`).
-
-    A file that is not UTF-8, a line that is not a JSON object, or a record without a string
-    `text_key` field is a ValueError naming the file and line.
-    """
-    for name in files:
-        if name.endswith(".txt"):
-            with open(name, "rb") as f:
-                yield Document(name, _utf8(f.read(), name, first_line=1))
-            continue
-        with open(name, "rb") as f:
-            for line_no, raw in enumerate(f, 1):
-                line = _utf8(raw, name, first_line=line_no)
-                if line.strip():
-                    where = f"{name} line {line_no}"
-                    yield Document(where, _record_text(line, where, text_key))
-
-
-def iter_documents(files: Sequence[str], text_key: str = "text") -> Iterator[str]:
-    """The texts of `located_documents`."""
-    return (doc.text for doc in located_documents(files, text_key))
-
-
-def _utf8(data: bytes, name: str, first_line: int) -> str:
-    """`data` (which starts at line `first_line` of file `name`) decoded, a BOM dropped."""
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        line = first_line + data.count(b"\n", 0, err.start)
-        column = err.start - data.rfind(b"\n", 0, err.start)
-        raise ValueError(
-            f"{name} line {line}: not UTF-8 (byte 0x{data[err.start]:02x} at column "
-            f"{column}); save the file as UTF-8"
-        ) from None
-
-
-JSON_KINDS = {
-    dict: "an object",
-    list: "an array",
-    str: "a string",
-    bool: "a boolean",
-    type(None): "null",
-}
-
-
-def _record_text(line: str, where: str, text_key: str) -> str:
-    try:
-        record = json.loads(line.rstrip("\r\n"))
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{where}: not valid JSON at column {err.colno} ({err.msg.removesuffix(' at')}); "
-            "each line of a .jsonl file must be one JSON object"
-        ) from None
-    if not isinstance(record, dict):
-        raise ValueError(
-            f"{where}: expected a JSON object with a {text_key!r} field, got "
-            f"{JSON_KINDS.get(type(record), 'a number')}"
-        )
-    if text_key not in record:
-        raise ValueError(
-            f"{where}: no field {text_key!r} (fields: {sorted(record)}); set data.text_key "
-            "(--text-key for train.shards) to the field that holds the text"
-        )
-    text = record[text_key]
-    if not isinstance(text, str):
-        raise ValueError(
-            f"{where}: field {text_key!r} is {JSON_KINDS.get(type(text), 'a number')}, "
-            "expected a string"
-        )
-    return text
-
-
 def tokenize_documents(
     docs: Iterable[Document], tokenizer: Tokenizer, *, add_bos: bool = True, add_eos: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -411,8 +314,6 @@ def build_rows(cfg: DataConfig, seq_len: int, seed: int, split: str) -> grain.Ma
 
 def _stream_rows(cfg: DataConfig, seq_len: int) -> TokenStreamRows:
     if cfg.source == "shards":
-        from train.shards import open_shards, read_meta
-
         vocab_size = read_meta(cfg.path)["vocab_size"]
         return TokenStreamRows(open_shards(cfg.path), seq_len, vocab_size)
     tokenizer = get_tokenizer(cfg.tokenizer)

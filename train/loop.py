@@ -28,21 +28,21 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from train.checkpoint import (
-    Checkpointer,
+from bam_jax.io.checkpoints import (
     CheckpointReadError,
     checkpoint_dir,
     error_summary,
     explained_read_errors,
-    is_url,
-    run_path,
 )
+from bam_jax.io.files import is_url, run_path
+from bam_jax.model import count_params
+from train.checkpoint import Checkpointer
 from train.config import TrainConfig, validate_for_runtime
 from train.data import BatchLayout, loss_positions_per_row, train_iterator, val_batches
 from train.metrics import MetricsWriter, device_peak_flops, train_flops_per_token
 from train.optim import learning_rates, make_optimizer
 from train.sharding import batch_sharding, local_rows, make_mesh, replicated
-from train.state import ModelParts, TrainState, count_params, init_state, state_shardings
+from train.state import ModelParts, TrainState, init_state, state_shardings
 
 Batch = dict[str, Any]
 

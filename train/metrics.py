@@ -2,7 +2,7 @@
 it was written), TensorBoard event files under `WORKDIR/tensorboard`, progress (a bar on a
 terminal, else one line per logged step on the "bam.train" logger), and model FLOPs
 utilisation where the device's peak is known. WORKDIR may be a URL (see
-`train.checkpoint.run_path`).
+`bam_jax.io.files.run_path`).
 
 A resumed run replays the steps after its checkpoint, so the records of those steps are
 dropped from `metrics.jsonl` when it starts; a `metrics.jsonl` deleted or replaced while the
@@ -22,7 +22,7 @@ import tqdm
 from etils import epath
 
 from bam_jax.config import ModelConfig
-from train.checkpoint import is_url, run_path
+from bam_jax.io.files import is_url, run_path, write_text_atomically
 
 METRICS_FILE = "metrics.jsonl"
 logger = logging.getLogger("bam.train")
@@ -226,9 +226,7 @@ def keep_records_up_to(path: str | os.PathLike, step: int) -> None:
     ends_complete = not text or text.endswith("\n")
     if len(kept) == len(lines) and ends_complete:
         return
-    temporary = path.parent / f"{path.name}.tmp"
-    temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    temporary.replace(path)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 def _record_step(line: str) -> int | None:
@@ -238,9 +236,3 @@ def _record_step(line: str) -> int | None:
         return None
     step = record.get("step") if isinstance(record, dict) else None
     return step if isinstance(step, int) else None
-
-
-def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of `WORKDIR/metrics.jsonl`."""
-    text = (run_path(workdir) / METRICS_FILE).read_text(encoding="utf-8")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -85,16 +85,12 @@ class ModelParts:
         return nnx.to_pure_dict(params), nnx.to_pure_dict(consts)
 
 
-def _key_names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-
 def _check_leaf_order(state: nnx.State) -> None:
     """`merge` pairs dict leaves with State leaves by position: both orders must agree."""
     pure_paths = [
-        _key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+        _path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
     ]
-    state_paths = [_key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    state_paths = [_path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     if len(pure_paths) != len(state_paths) or any(
         s[: len(p)] != p for p, s in zip(pure_paths, state_paths, strict=False)
     ):
@@ -137,8 +133,9 @@ def state_shardings(
     return TrainState(step=replicated(mesh), params=params, consts=consts, opt_state=opt_state)
 
 
-def _path_names(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+def _path_names(path) -> tuple[str, ...]:
+    """The keys of a pytree path as strings (dict keys, attribute names, list indices)."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def init_state(
@@ -149,7 +146,3 @@ def init_state(
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=params, consts=consts, opt_state=tx.init(params)
     )
-
-
-def count_params(params: PyTree) -> int:
-    return int(sum(x.size for x in jax.tree.leaves(params)))

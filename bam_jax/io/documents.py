@@ -1,0 +1,162 @@
+"""Text documents: .txt files (one document each), .jsonl files (one per line), and
+Hugging Face datasets (streamed from the hub or saved with `Dataset.save_to_disk`)."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import itertools
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def text_files(path: str) -> list[str]:
+    """The .txt/.jsonl files named by a file, a directory or a glob, sorted."""
+    if os.path.isdir(path):
+        files = [os.path.join(path, f) for f in os.listdir(path)]
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        files = glob.glob(path)
+    files = sorted(f for f in files if f.endswith(TEXT_SUFFIXES) and os.path.isfile(f))
+    if not files:
+        raise ValueError(f"data.path: no .txt or .jsonl files found at {path!r}")
+    return files
+
+
+class Document(NamedTuple):
+    """A document's text and where it came from ("FILE" or "FILE line N"), for errors."""
+
+    where: str
+    text: str
+
+
+def located_documents(files: Sequence[str], text_key: str = "text") -> Iterator[Document]:
+    """One document per .txt file, one per non-blank .jsonl line (field `text_key`).
+
+    A file that is not UTF-8, a line that is not a JSON object, or a record without a string
+    `text_key` field is a ValueError naming the file and line.
+    """
+    for name in files:
+        if name.endswith(".txt"):
+            with open(name, "rb") as f:
+                yield Document(name, _utf8(f.read(), name, first_line=1))
+            continue
+        with open(name, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                line = _utf8(raw, name, first_line=line_no)
+                if line.strip():
+                    where = f"{name} line {line_no}"
+                    yield Document(where, _record_text(line, where, text_key))
+
+
+def iter_documents(files: Sequence[str], text_key: str = "text") -> Iterator[str]:
+    """The texts of `located_documents`."""
+    return (doc.text for doc in located_documents(files, text_key))
+
+
+def _utf8(data: bytes, name: str, first_line: int) -> str:
+    """`data` (which starts at line `first_line` of file `name`) decoded, a BOM dropped."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = first_line + data.count(b"\n", 0, err.start)
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise ValueError(
+            f"{name} line {line}: not UTF-8 (byte 0x{data[err.start]:02x} at column "
+            f"{column}); save the file as UTF-8"
+        ) from None
+
+
+JSON_KINDS = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
+def _record_text(line: str, where: str, text_key: str) -> str:
+    try:
+        record = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{where}: not valid JSON at column {err.colno} ({err.msg.removesuffix(' at')}); "
+            "each line of a .jsonl file must be one JSON object"
+        ) from None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{where}: expected a JSON object with a {text_key!r} field, got "
+            f"{JSON_KINDS.get(type(record), 'a number')}"
+        )
+    if text_key not in record:
+        raise ValueError(
+            f"{where}: no field {text_key!r} (fields: {sorted(record)}); set data.text_key "
+            "(--text-key for train.shards) to the field that holds the text"
+        )
+    text = record[text_key]
+    if not isinstance(text, str):
+        raise ValueError(
+            f"{where}: field {text_key!r} is {JSON_KINDS.get(type(text), 'a number')}, "
+            "expected a string"
+        )
+    return text
+
+
+def iter_dataset_texts(
+    dataset: str, *, subset: str | None = None, split: str = "train", text_key: str = "text"
+) -> Iterator[str]:
+    """Texts from local .txt/.jsonl files, a `save_to_disk` directory, or the hub (streamed)."""
+    if dataset.endswith(TEXT_SUFFIXES) or (
+        os.path.isdir(dataset) and not is_saved_dataset(dataset)
+    ):
+        yield from iter_documents(text_files(dataset), text_key)
+        return
+    if importlib.util.find_spec("datasets") is None:
+        raise ValueError(
+            f"dataset: reading {dataset!r} needs the `datasets` package (pip install 'bam-jax[hf]')"
+        )
+    import datasets
+
+    if is_saved_dataset(dataset):
+        data = datasets.load_from_disk(dataset)
+        if isinstance(data, datasets.DatasetDict):
+            data = data[split]
+    else:
+        try:
+            data = datasets.load_dataset(dataset, subset, split=split, streaming=True)
+            records = iter(data)
+            first = next(records)
+        except Exception as err:  # the hub client raises many kinds when offline
+            raise ValueError(
+                f"dataset: could not stream {dataset!r} from the Hugging Face hub ({err}). "
+                "Without network, save the dataset with `datasets.Dataset.save_to_disk` "
+                "elsewhere and pass that directory, or pass local .txt/.jsonl files."
+            ) from err
+        data = itertools.chain([first], records)
+    for index, record in enumerate(data):
+        where = f"{dataset} record {index}"
+        if text_key not in record:
+            raise ValueError(
+                f"{where}: no field {text_key!r} (fields: {sorted(record)}); set --text-key "
+                "to the field that holds the text"
+            )
+        if not isinstance(record[text_key], str):
+            raise ValueError(
+                f"{where}: field {text_key!r} is a {type(record[text_key]).__name__}, "
+                "expected a string"
+            )
+        yield record[text_key]
+
+
+def is_saved_dataset(path: str) -> bool:
+    """Whether `path` is a directory written by `Dataset.save_to_disk` (or a DatasetDict's)."""
+    return os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, marker)) for marker in SAVED_DATASET_MARKERS
+    )

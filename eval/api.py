@@ -1,0 +1,306 @@
+"""Evaluation as functions: passkey retrieval, perplexity by position and learned priors of
+loaded models (`load_models`), each returning its results and, given an output folder,
+extending the results files there and drawing the figures. `bam-eval` is a command line
+over these functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from bam_jax.config import ModelConfig
+from bam_jax.inference import ChunkedForward, capacity_bucket
+from bam_jax.model import Transformer
+from eval import plots
+from eval.memory import activation_bytes, cache_bytes_per_slot, check_sample_memory
+from eval.models import EvalModel, for_inference, load_eval_model, resolve_tokenizer
+from eval.passkey import PasskeySettings, evaluate_passkey
+from eval.perplexity import evaluate_perplexity, load_rows
+from eval.prior_inspect import figure_table, head_classes, prior_curves, prior_table
+from eval.results import ResultStore
+
+# What the tables and figures read from each stored entry.
+PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")
+PERPLEXITY_FIELDS = ("positions", "perplexity")
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceSettings:
+    """How the models run: prefill chunk, attention blocks, compute dtype (parameters stay
+    float32), batch size (None: the largest within the memory budget) and that budget."""
+
+    chunk_size: int = 512
+    block_q: int | None = None
+    block_k: int | None = None
+    dtype: str = "float32"
+    batch_size: int | None = None
+    memory_gb: float = 4.0
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return int(self.memory_gb * 2**30)
+
+    def prepare(self, model: Transformer) -> tuple[ChunkedForward, ModelConfig]:
+        """The chunked forward of `model` under these settings, and its config."""
+        inference_model = for_inference(
+            model, block_q=self.block_q, block_k=self.block_k, dtype=self.dtype
+        )
+        forward = ChunkedForward(inference_model, chunk_size=self.chunk_size)
+        return forward, inference_model.config
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """Results per model name (what each task returns) and the figures drawn."""
+
+    results: dict[str, Any]
+    figures: list[str] = dataclasses.field(default_factory=list)
+
+
+def load_models(specs: Sequence[str], *, step: int | None = None) -> list[EvalModel]:
+    """Models from [NAME=]PATH[@STEP] arguments; their names must differ."""
+    models = [load_eval_model(spec, step=step) for spec in specs]
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must differ, got {names}; name them NAME=PATH")
+    return models
+
+
+def check_out_folder(out: str | None) -> None:
+    if out is not None and os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a file, expected a folder for the results")
+
+
+def _store(out: str | None, model: EvalModel, task: str, fields: Sequence[str] = ()) -> ResultStore:
+    path = None if out is None else os.path.join(out, model.name, f"{task}.json")
+    return ResultStore(path, model.info(), fields)
+
+
+def passkey_lengths(
+    model: EvalModel, lengths: Sequence[int], multiples: Sequence[float]
+) -> list[int]:
+    """The given lengths and multiples of the model's training length, ascending."""
+    chosen = {*lengths, *(round(x * model.train_length) for x in multiples)}
+    if not chosen:
+        raise ValueError("give --lengths and/or --multiples")
+    return sorted(chosen)
+
+
+def run_passkey(
+    models: Sequence[EvalModel],
+    *,
+    lengths: Sequence[int] = (),
+    multiples: Sequence[float] = (),
+    samples: int = 10,
+    sampling: str = "equidistant",
+    prefix_digits: int = 1,
+    patience: int | None = None,
+    seed: int = 0,
+    tokenizer: str | None = None,
+    inference: InferenceSettings = InferenceSettings(),
+    out: str | None = None,
+    figures: bool = True,
+    progress: bool = True,
+) -> Evaluation:
+    """Passkey accuracy per length of each model: `results[name]` lists one entry per
+    length. With `out`, results are kept in OUT/NAME/passkey.json (lengths found there are
+    not run again) and, with `figures`, accuracy and depth figures are drawn under OUT."""
+    if not lengths and not multiples:
+        raise ValueError("give --lengths and/or --multiples")
+    check_out_folder(out)
+    text_encoder = resolve_tokenizer(list(models), tokenizer)
+    evaluation = Evaluation({})
+    for m in models:
+        settings = PasskeySettings(
+            sampling=sampling,
+            n_samples=samples,
+            prefix_digits=prefix_digits,
+            seed=seed,
+            tokenizer=text_encoder.name,
+            checkpoint=m.checkpoint,
+            dtype=inference.dtype,
+        )
+        forward, config = inference.prepare(m.model)
+        model_lengths = passkey_lengths(m, lengths, multiples)
+        longest = capacity_bucket(max(*model_lengths, 1), inference.chunk_size)
+        evaluation.results[m.name] = evaluate_passkey(
+            forward,
+            text_encoder,
+            model_lengths,
+            settings,
+            _store(out, m, "passkey", PASSKEY_FIELDS),
+            patience=patience,
+            batch_size=inference.batch_size,
+            cache_bytes_per_slot=cache_bytes_per_slot(config),
+            activation_bytes=activation_bytes(config, inference.chunk_size, longest),
+            memory_budget_bytes=inference.memory_budget_bytes,
+            train_length=m.train_length,
+            progress=progress,
+            label=m.name,
+        )
+        if out is not None and figures:
+            evaluation.figures.append(
+                plots.depth_heatmap(
+                    evaluation.results[m.name],
+                    os.path.join(out, m.name, f"passkey_depth_{sampling}.png"),
+                    title=f"{m.name}: passkey accuracy by needle depth ({sampling})",
+                )
+            )
+    if out is not None and figures:
+        evaluation.figures.append(
+            plots.accuracy_vs_length(
+                evaluation.results,
+                {m.name: m.train_length for m in models},
+                os.path.join(out, f"passkey_accuracy_{sampling}.png"),
+                title=f"Passkey retrieval ({sampling} needle depths)",
+            )
+        )
+    return evaluation
+
+
+def passkey_table(curves: dict[str, list[dict[str, Any]]], train_lengths: dict[str, int]) -> str:
+    """Rows: models; columns: target lengths (with the multiple of the training length
+    when all models share one)."""
+    lengths = sorted({e["target_length"] for entries in curves.values() for e in entries})
+    shared = set(train_lengths.values())
+    header = ["model", "train"] + [
+        f"{n}" + (f" ({n / next(iter(shared)):g}x)" if len(shared) == 1 else "") for n in lengths
+    ]
+    rows = []
+    for name, entries in curves.items():
+        by_length = {e["target_length"]: e for e in entries}
+        rows.append(
+            [name, str(train_lengths[name])]
+            + [f"{100 * by_length[n]['accuracy']:.0f}" if n in by_length else "-" for n in lengths]
+        )
+    return format_table(header, rows)
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_perplexity(
+    models: Sequence[EvalModel],
+    data: str,
+    *,
+    seq_len: int = 32_768,
+    window: int = 1_024,
+    sequences: int = 16,
+    packing: str = "concat",
+    text_key: str = "text",
+    tokenizer: str | None = None,
+    inference: InferenceSettings = InferenceSettings(),
+    out: str | None = None,
+    figures: bool = True,
+    progress: bool = True,
+) -> Evaluation:
+    """Perplexity per window of positions of each model over the same rows of `data`:
+    `results[name]` holds positions, loss and perplexity per window. With `out`, results
+    are kept in OUT/NAME/perplexity.json and, with `figures`, OUT/perplexity.png is drawn."""
+    check_perplexity_window(seq_len, window)
+    check_out_folder(out)
+    text_encoder = resolve_tokenizer(list(models), tokenizer)
+    forwards = {m.name: inference.prepare(m.model) for m in models}
+    capacity = capacity_bucket(seq_len + 1, inference.chunk_size)
+    for name, (_, config) in forwards.items():
+        check_sample_memory(
+            f"model {name!r}: perplexity at --seq-len {seq_len}",
+            capacity,
+            cache_bytes_per_slot(config),
+            activation_bytes(config, inference.chunk_size, capacity),
+            inference.memory_budget_bytes,
+            "use a smaller --seq-len or raise --memory-gb",
+        )
+    rows = load_rows(data, text_encoder, seq_len, sequences, packing=packing, text_key=text_key)
+    evaluation = Evaluation({})
+    for m in models:
+        settings = {
+            "seq_len": seq_len,
+            "window": window,
+            "sequences": len(rows),
+            "packing": packing,
+            "tokenizer": text_encoder.name,
+            "checkpoint": m.checkpoint,
+            "dtype": inference.dtype,
+        }
+        store = _store(out, m, "perplexity", PERPLEXITY_FIELDS)
+        entry = store.get(settings, data)
+        if entry is None:
+            entry = evaluate_perplexity(
+                forwards[m.name][0],
+                rows,
+                window=window,
+                batch_size=inference.batch_size or 1,
+                progress=progress,
+                label=m.name,
+            )
+            store.put(settings, data, entry)
+        evaluation.results[m.name] = entry
+    if out is not None and figures:
+        evaluation.figures.append(
+            plots.perplexity_vs_position(
+                evaluation.results,
+                {m.name: m.train_length for m in models},
+                os.path.join(out, "perplexity.png"),
+            )
+        )
+    return evaluation
+
+
+def check_perplexity_window(seq_len: int, window: int) -> None:
+    if seq_len % window:
+        raise ValueError(f"--window {window} must divide --seq-len {seq_len}")
+
+
+def perplexity_table(curves: dict[str, dict[str, Any]]) -> str:
+    """Rows: window ends; columns: models."""
+    positions = next(iter(curves.values()))["positions"]
+    rows = [
+        [str(p)] + [f"{c['perplexity'][i]:.2f}" for c in curves.values()]
+        for i, p in enumerate(positions)
+    ]
+    return format_table(["position", *curves], rows)
+
+
+def run_prior(
+    models: Sequence[EvalModel],
+    *,
+    max_distance: int | None = None,
+    out: str | None = None,
+    figures: bool = True,
+) -> Evaluation:
+    """The positional parameters of each model per layer and head: `results[name]` holds
+    the full table, the rows shown in figures (`shown`), the prior curves up to
+    `max_distance` (default 500x the training length) and the head classes. With `out`,
+    the table is kept in OUT/NAME/prior.json and, with `figures`, OUT/NAME/prior.png."""
+    check_out_folder(out)
+    evaluation = Evaluation({})
+    for m in models:
+        table = prior_table(m.model, m.config)
+        curves = prior_curves(m.config, table, max_distance or 500 * m.train_length)
+        _store(out, m, "prior").put({"checkpoint": m.checkpoint}, "heads", {"table": table})
+        shown = figure_table(m.config, table)
+        evaluation.results[m.name] = {
+            "table": table,
+            "shown": shown,
+            "curves": curves,
+            "classes": head_classes(m.config, table),
+        }
+        if out is not None and figures:
+            evaluation.figures.append(
+                plots.prior_figure(
+                    curves,
+                    shown,
+                    os.path.join(out, m.name, "prior.png"),
+                    title=f"{m.name}: learned priors ({m.config.encoding})",
+                    train_length=m.train_length,
+                )
+            )
+    return evaluation

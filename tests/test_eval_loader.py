@@ -1,0 +1,77 @@
+"""The params-only loader of a training workdir: the parameters of the full training state,
+read without building the optimizer the run's config names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from bam_jax.io.checkpoints import load_model, load_params
+from configs.presets import preset
+from train.checkpoint import Checkpointer
+from train.data import DataConfig
+from train.optim import make_optimizer
+from train.state import ModelParts, init_state
+
+
+def _config():
+    cfg = preset("micro")
+    return cfg.replace(
+        model=cfg.model.replace(vocab_size=259, max_seq_len=64),
+        data=DataConfig(source="passkey", tokenizer="byte"),
+    )
+
+
+def _save(path, cfg, tx: optax.GradientTransformation, saved_config: dict):
+    parts, _, _ = ModelParts.from_config(cfg.model)
+    state = init_state(cfg.model, parts, tx, seed=7)
+    noise = jax.tree.map(lambda x: 0.01 * np.arange(x.size).reshape(x.shape), state.params)
+    state = state.replace(params=jax.tree.map(lambda x, n: x + n, state.params, noise))
+    checkpointer = Checkpointer(str(path), cfg)
+    checkpointer.save(5, state, {}, saved_config)
+    checkpointer.close()
+    return state
+
+
+def _assert_same_tree(restored, expected) -> None:
+    restored_leaves = jax.tree_util.tree_leaves_with_path(restored)
+    expected_leaves = jax.tree_util.tree_leaves_with_path(expected)
+    assert len(restored_leaves) == len(expected_leaves)
+    for (path, a), (_, b) in zip(restored_leaves, expected_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+def test_params_only_load_equals_the_saved_training_state(tmp_path) -> None:
+    cfg = _config()
+    parts, _, _ = ModelParts.from_config(cfg.model)
+    state = _save(
+        tmp_path / "run", cfg, make_optimizer(cfg.optim, cfg.steps, parts.labels), cfg.to_dict()
+    )
+    saved = load_params(tmp_path / "run")
+    assert saved.step == 5 and saved.config == cfg.model
+    _assert_same_tree(saved.params, state.params)
+    _assert_same_tree(saved.consts, state.consts)
+    config, model = load_model(tmp_path / "run", step=5)
+    params, consts = parts.split(model)
+    _assert_same_tree(params, state.params)
+    _assert_same_tree(consts, state.consts)
+    assert config == cfg.model and isinstance(model, nnx.Module)
+
+
+@pytest.mark.parametrize("saved_optimizer", ["sgd", "no optimizer state"])
+def test_optimizer_state_is_never_read(tmp_path, saved_optimizer) -> None:
+    # The saved optimizer state matches neither the optimizer the config names nor any
+    # other: a loader that restored it would fail.
+    cfg = _config()
+    tx = optax.sgd(0.1) if saved_optimizer == "sgd" else optax.identity()
+    optim = dataclasses.replace(cfg.optim, weight_decay=0.0, clip_norm=0.0)
+    saved_config = cfg.replace(optim=optim)
+    state = _save(tmp_path / "run", cfg, tx, saved_config.to_dict())
+    saved = load_params(tmp_path / "run")
+    _assert_same_tree(saved.params, state.params)
+    _assert_same_tree(saved.consts, state.consts)
