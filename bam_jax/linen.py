@@ -4,6 +4,9 @@
 Its variables land in Linen collections by type: weights in "params", trainable prior
 parameters in "prior_params", SSMax scales in "ssmax_params", frozen prior parameters in
 "prior_constants" (so an optimizer can treat each group on its own).
+
+Weights move both ways: `load_linen_variables` copies a Linen variables dict into an NNX
+module, `linen_variables` gives an NNX module's variables as the Linen module expects them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import flax.linen as nn
 from flax import nnx
-from flax.nnx import bridge
+from flax.nnx import bridge, variablelib
 
 from bam_jax.config import ModelConfig
 from bam_jax.model import Attention, Transformer
@@ -22,7 +25,17 @@ COLLECTIONS = ("params", "prior_params", "ssmax_params", "prior_constants")
 
 
 def linen_attention(config: ModelConfig, *, name: str | None = None) -> nn.Module:
-    """The attention module as a Linen module: `__call__(x_BxTxD, segment_ids_BxT=None)`."""
+    """The attention module as a Linen module: `__call__(x_BxTxE, segment_ids_BxT=None)`.
+
+    One attention layer owns its prior, so a BAM config must have `global_prior=False`
+    (a global prior belongs to the Transformer, which passes it to every layer).
+    """
+    if config.base_encoding == "bam" and config.global_prior:
+        raise ValueError(
+            "linen_attention: a single attention layer needs its own prior; build it from "
+            "config.replace(global_prior=False), or use linen_transformer for a model whose "
+            "layers share one prior"
+        )
     return bridge.to_linen(Attention, config, name=name)
 
 
@@ -42,6 +55,18 @@ def load_linen_variables(module: nnx.Module, variables: Mapping[str, Any]) -> nn
     nnx.replace_by_pure_dict(state, merged)
     nnx.update(module, state)
     return module
+
+
+def linen_variables(module: nnx.Module) -> dict[str, dict[str, Any]]:
+    """The variables of an NNX module as the bridged Linen module of the same config takes
+    them in `apply`: one dict per collection (see COLLECTIONS)."""
+    variables: dict[str, dict[str, Any]] = {}
+    for path, variable in nnx.to_flat_state(nnx.state(module)):
+        node = variables.setdefault(variablelib.variable_name_from_type(variable.type), {})
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = variable.get_value()
+    return variables
 
 
 def _merge_into(target: dict[str, Any], source: Mapping[str, Any]) -> None:

@@ -6,10 +6,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from bam_jax.config import ModelConfig
-from bam_jax.linen import linen_attention, linen_transformer, load_linen_variables
+from bam_jax.linen import (
+    linen_attention,
+    linen_transformer,
+    linen_variables,
+    load_linen_variables,
+)
 from bam_jax.model import Attention, Transformer
 
 CONFIG = ModelConfig.of_size("nano", encoding="bam_ssmax", global_prior=False)
@@ -59,3 +65,17 @@ def test_whole_model_inside_linen_equals_nnx_model():
     abstract = nnx.eval_shape(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)))
     model = load_linen_variables(abstract, variables)
     np.testing.assert_allclose(logits, nnx.jit(lambda m, t: m(t))(model, tokens), atol=1e-6)
+
+
+def test_nnx_model_weights_run_in_the_linen_model():
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, CONFIG.vocab_size, (1, 9)))
+    model = Transformer(CONFIG, rngs=nnx.Rngs(5))
+    variables = linen_variables(model)
+    assert set(variables) == {"params", "prior_params", "ssmax_params", "prior_constants"}
+    logits = jax.jit(linen_transformer(CONFIG).apply)(variables, tokens)
+    np.testing.assert_allclose(logits, nnx.jit(lambda m, t: m(t))(model, tokens), atol=1e-6)
+
+
+def test_linen_attention_with_a_global_prior_says_what_to_change():
+    with pytest.raises(ValueError, match=r"global_prior=False.*linen_transformer"):
+        linen_attention(CONFIG.replace(global_prior=True))
