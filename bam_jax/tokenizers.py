@@ -31,6 +31,9 @@ from bam_jax.passkey import vocabulary_texts
 MISTRAL_V3_MODEL = "mistral_instruct_tokenizer_240323.model.v3"
 
 
+HF_PREFIX = "hf:"
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     name: str
@@ -272,13 +275,19 @@ def mistral_model_path() -> str:
 
 @functools.lru_cache(maxsize=16)
 def get_tokenizer(spec: str = "mistral") -> Tokenizer:
-    """A tokeniser from "mistral", "byte", "passkey:BASE" or a .model / tokenizer.json path."""
+    """A tokeniser from "mistral", "byte", "passkey:BASE", a SentencePiece .model file, a
+    tokenizer.json file or a directory holding one, or "hf:NAME" (the tokenizer.json of a
+    Hugging Face model in the local Hugging Face cache; nothing is downloaded)."""
     if spec.startswith("passkey:"):
         return PasskeyVocabulary(get_tokenizer(spec.removeprefix("passkey:")))
     if spec == "mistral":
         return SentencePieceTokenizer(mistral_model_path(), name="mistral")
     if spec == "byte":
         return ByteTokenizer()
+    if spec.startswith(HF_PREFIX):
+        return HuggingFaceTokenizer(_cached_tokenizer_json(spec.removeprefix(HF_PREFIX)))
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.json")):
+        return HuggingFaceTokenizer(os.path.join(spec, "tokenizer.json"))
     if spec.endswith(".json"):
         if not os.path.isfile(spec):
             raise ValueError(f"tokenizer: file {spec!r} does not exist")
@@ -286,6 +295,25 @@ def get_tokenizer(spec: str = "mistral") -> Tokenizer:
     if os.path.isfile(spec):
         return SentencePieceTokenizer(spec)
     raise ValueError(
-        f"tokenizer: expected 'mistral', 'byte', 'passkey:BASE' or a path to a .model / "
-        f"tokenizer.json file, got {spec!r}"
+        f"tokenizer: expected 'mistral', 'byte', 'passkey:BASE', 'hf:NAME', a .model or "
+        f"tokenizer.json file, or a directory holding a tokenizer.json, got {spec!r}"
     )
+
+
+def _cached_tokenizer_json(name: str) -> str:
+    """The path of model `name`'s tokenizer.json in the local Hugging Face cache."""
+    if importlib.util.find_spec("huggingface_hub") is None:
+        raise ValueError(
+            f"tokenizer: 'hf:{name}' needs the `tokenizers` package (pip install 'bam-jax[hf]')"
+        )
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return huggingface_hub.hf_hub_download(name, "tokenizer.json", local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError) as err:
+        raise ValueError(
+            f"tokenizer: 'hf:{name}' has no tokenizer.json in the local Hugging Face cache "
+            f"({type(err).__name__}); fetch it once with network "
+            f"(`huggingface-cli download {name} tokenizer.json`) or pass a local path"
+        ) from err

@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from bam_jax.inference import ChunkedForward
-from bam_jax.io.documents import is_saved_dataset, iter_dataset_texts, iter_documents, text_files
+from bam_jax.io.documents import source_documents
 from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.tokenizers import Tokenizer
 
@@ -36,15 +36,7 @@ PACKINGS = ("concat", "documents")
 
 
 def _documents(source: str, text_key: str) -> Iterator[str]:
-    if source.startswith("hf:"):
-        name, _, split = source[3:].partition("@")
-        name, _, subset = name.partition(":")
-        return iter_dataset_texts(
-            name, subset=subset or None, split=split or "train", text_key=text_key
-        )
-    if is_saved_dataset(source):
-        return iter_dataset_texts(source, text_key=text_key)
-    return iter_documents(text_files(source), text_key)
+    return (doc.text for doc in source_documents(source, text_key))
 
 
 def _token_documents(source: str, tokenizer: Tokenizer, text_key: str) -> Iterator[np.ndarray]:

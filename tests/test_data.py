@@ -169,6 +169,29 @@ def test_shards_from_a_saved_hugging_face_dataset(tmp_path):
     assert byte.decode(tokens[starts[1] + 1 : -1].tolist()) == "bam attention"
 
 
+def test_training_reads_a_saved_dataset_as_it_reads_the_same_jsonl(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"document {i}: " + "bam attention " * (i + 3) for i in range(40)]
+    saved = str(tmp_path / "saved")
+    datasets.Dataset.from_dict({"body": texts}).save_to_disk(saved)
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    config = DataConfig(source="text", tokenizer="byte", text_key="body", val_rows=2)
+    from_dataset = build_rows(dataclasses.replace(config, path=saved), 32, 0, "val")
+    from_jsonl = build_rows(dataclasses.replace(config, path=str(jsonl)), 32, 0, "val")
+    assert len(from_dataset) == len(from_jsonl) == 2
+    for a, b in zip(from_dataset, from_jsonl, strict=True):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+
+
+def test_a_dataset_field_that_is_missing_names_the_record(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    saved = str(tmp_path / "saved")
+    datasets.Dataset.from_dict({"content": ["a", "b"]}).save_to_disk(saved)
+    with pytest.raises(ValueError, match=r"saved record 0: no field 'text'.*\['content'\]"):
+        list(documents.source_documents(saved))
+
+
 def test_hub_dataset_offline_is_a_clear_error(monkeypatch):
     datasets = pytest.importorskip("datasets")
 

@@ -57,6 +57,40 @@ def test_tokenizer_json_by_path(tmp_path):
     assert (tok.bos_id, tok.eos_id) == (0, 1)
 
 
+def save_word_level_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hello": 3, "world": 4}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
+def test_tokenizer_by_directory_and_by_cached_model_name(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    save_word_level_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert get_tokenizer(str(tmp_path)).encode("hello world") == [3, 4]
+    asked = []
+
+    def from_cache(repo_id, filename, *, local_files_only):
+        asked.append((repo_id, filename, local_files_only))
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", from_cache)
+    assert get_tokenizer("hf:org/model").encode("world hello") == [4, 3]
+    assert asked == [("org/model", "tokenizer.json", True)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
+def test_a_model_name_missing_from_the_cache_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match=r"'hf:org/absent' has no tokenizer.json in the local"):
+        get_tokenizer("hf:org/absent")
+
+
 def test_passkey_vocabulary_renumbers_the_passkey_tokens_of_its_base():
     base, tok = get_tokenizer("mistral"), get_tokenizer("passkey:mistral")
     assert tok.name == "passkey:mistral" and (tok.bos_id, tok.eos_id) == (0, 1)

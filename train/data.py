@@ -33,7 +33,7 @@ import grain
 import numpy as np
 
 from bam_jax import passkey
-from bam_jax.io.documents import Document, located_documents, text_files
+from bam_jax.io.documents import Document, source_documents
 from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.tokenizers import Tokenizer, encode_checked, get_tokenizer, special_id
 
@@ -46,11 +46,14 @@ PASSKEY_LOSSES = ("answer", "all")
 class DataConfig:
     """Where rows come from.
 
-    source: "passkey" | "text" | "shards"; path: .txt/.jsonl file, directory or glob (text)
-    or a shard directory (shards); tokenizer: "mistral", "byte", "passkey:BASE" (BASE cut
-    down to the passkey strings' tokens) or a file (passkey, text); text_key: the .jsonl
-    field; add_bos/add_eos: around each text document; shuffle: row order (text, shards);
-    val_rows: held-out rows at the start of the data (text, shards).
+    source: "passkey" | "text" | "shards"; path: .txt/.jsonl file, directory or glob, a
+    directory saved by `datasets.Dataset.save_to_disk`, or "hf:NAME[:SUBSET][@SPLIT]" for a
+    Hugging Face dataset streamed from the hub (text), or a shard directory (shards);
+    tokenizer: "mistral", "byte", "passkey:BASE" (BASE cut down to the passkey strings'
+    tokens), a tokenizer.json file or a directory holding one, or a SentencePiece .model
+    (passkey, text); text_key: the .jsonl or dataset field; add_bos/add_eos: around each
+    text document; shuffle: row order (text, shards); val_rows: held-out rows at the start
+    of the data (text, shards).
     Passkey: prompts are at least passkey_min_length tokens (0 = the template minimum) and at
     most the context; passkey_prefix_digits key digits are given before the five predicted;
     passkey_paper_filler_fraction of the prompts use the paper's filler, the rest random
@@ -317,7 +320,7 @@ def _stream_rows(cfg: DataConfig, seq_len: int) -> TokenStreamRows:
         vocab_size = read_meta(cfg.path)["vocab_size"]
         return TokenStreamRows(open_shards(cfg.path), seq_len, vocab_size)
     tokenizer = get_tokenizer(cfg.tokenizer)
-    docs = located_documents(text_files(cfg.path), cfg.text_key)
+    docs = source_documents(cfg.path, cfg.text_key)
     stream = tokenize_documents(docs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos)
     return TokenStreamRows([stream], seq_len)
 

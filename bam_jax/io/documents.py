@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
+HF_PREFIX = "hf:"
 SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
@@ -109,6 +110,29 @@ def _record_text(line: str, where: str, text_key: str) -> str:
     return text
 
 
+def source_documents(source: str, text_key: str = "text") -> Iterator[Document]:
+    """The documents of a text source: "hf:NAME[:SUBSET][@SPLIT]" (a Hugging Face dataset,
+    streamed from the hub), a directory written by `Dataset.save_to_disk`, or .txt/.jsonl
+    files (a file, a directory or a glob)."""
+    if source.startswith(HF_PREFIX):
+        name, _, split = source.removeprefix(HF_PREFIX).partition("@")
+        name, _, subset = name.partition(":")
+        return _dataset_documents(name, subset or None, split or "train", text_key)
+    if is_saved_dataset(source):
+        return _dataset_documents(source, None, "train", text_key)
+    return located_documents(text_files(source), text_key)
+
+
+def check_dataset_reader(source: str) -> None:
+    """A ValueError, before any reading starts, when `source` is a Hugging Face dataset and
+    the `datasets` package is missing."""
+    needs_datasets = source.startswith(HF_PREFIX) or is_saved_dataset(source)
+    if needs_datasets and importlib.util.find_spec("datasets") is None:
+        raise ValueError(
+            f"dataset: reading {source!r} needs the `datasets` package (pip install 'bam-jax[hf]')"
+        )
+
+
 def iter_dataset_texts(
     dataset: str, *, subset: str | None = None, split: str = "train", text_key: str = "text"
 ) -> Iterator[str]:
@@ -116,12 +140,14 @@ def iter_dataset_texts(
     if dataset.endswith(TEXT_SUFFIXES) or (
         os.path.isdir(dataset) and not is_saved_dataset(dataset)
     ):
-        yield from iter_documents(text_files(dataset), text_key)
-        return
-    if importlib.util.find_spec("datasets") is None:
-        raise ValueError(
-            f"dataset: reading {dataset!r} needs the `datasets` package (pip install 'bam-jax[hf]')"
-        )
+        return iter_documents(text_files(dataset), text_key)
+    return (doc.text for doc in _dataset_documents(dataset, subset, split, text_key))
+
+
+def _dataset_documents(
+    dataset: str, subset: str | None, split: str, text_key: str
+) -> Iterator[Document]:
+    check_dataset_reader(dataset if is_saved_dataset(dataset) else HF_PREFIX + dataset)
     import datasets
 
     if is_saved_dataset(dataset):
@@ -144,15 +170,15 @@ def iter_dataset_texts(
         where = f"{dataset} record {index}"
         if text_key not in record:
             raise ValueError(
-                f"{where}: no field {text_key!r} (fields: {sorted(record)}); set --text-key "
-                "to the field that holds the text"
+                f"{where}: no field {text_key!r} (fields: {sorted(record)}); set the text key "
+                "(data.text_key, --text-key) to the field that holds the text"
             )
         if not isinstance(record[text_key], str):
             raise ValueError(
                 f"{where}: field {text_key!r} is a {type(record[text_key]).__name__}, "
                 "expected a string"
             )
-        yield record[text_key]
+        yield Document(where, record[text_key])
 
 
 def is_saved_dataset(path: str) -> bool:
