@@ -12,9 +12,10 @@ Shape suffixes. Array names end in their shape, letters joined by "x"
     D  head dimension                  N  key block (tile columns)
 """
 
-from bam_jax.attention import PADDING_SEGMENT, dot_product_attention, reference_attention
+from bam_jax.attention import dot_product_attention, reference_attention
 from bam_jax.config import ENCODINGS, ModelConfig
 from bam_jax.inference import KVCache, decode_step, generate, init_cache, prefill
+from bam_jax.masking import PADDING_SEGMENT
 from bam_jax.model import (
     Attention,
     PriorConstant,

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bam_jax.attention import default_implementation
 from bam_jax.config import ModelConfig
 from bam_jax.inference import init_cache
 from bam_jax.model import Transformer, reconfigure
-from bam_jax.pallas_attention import default_implementation
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
 from eval.chunked import ChunkedScorer
 from train.checkpoint import checkpoint_dir, error_summary, load_model, read_config, run_path
