@@ -12,10 +12,11 @@ Shape suffixes. Array names end in their shape, letters joined by "x"
     D  head dimension                  N  key block (tile columns)
 """
 
-from bam_jax.attention import PADDING_SEGMENT, dot_product_attention, reference_attention
+from bam_jax.attention import dot_product_attention, reference_attention
 from bam_jax.config import ENCODINGS, ModelConfig
 from bam_jax.inference import decode_step, generate, init_cache, prefill
 from bam_jax.kv_cache import KVCache
+from bam_jax.masking import PADDING_SEGMENT
 from bam_jax.model import (
     Attention,
     PriorConstant,

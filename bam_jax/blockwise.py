@@ -18,7 +18,8 @@ not the tile indexing).
 
 The gradient is a custom VJP in the FlashAttention-2 style: probabilities are
 recomputed from the saved log-sum-exp in one pass over key blocks (outer) and the
-query blocks that see them (inner), accumulating dq in place.
+query blocks that see them (inner), accumulating dq in place. The Pallas kernels'
+custom VJP runs the same backward (`flash_backward`) on their output and log-sum-exp.
 
 Tiles are [N, R, *] with N = batch * kv_heads and R = groups * block_q rows, so every
 product is a plain batched matmul and grouped-query heads share their key tile.
@@ -29,43 +30,50 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bam_jax.attention import (
+from bam_jax.attention_inputs import (
     check_attention_inputs,
+    check_block_sizes,
     has_no_queries_or_keys,
-    log_visible_count,
-    visible_key_counts,
 )
+from bam_jax.masking import PADDING_SEGMENT, AttentionMask, log_visible_count
 from bam_jax.priors import Prior
 
+DEFAULT_BLOCK = 256
 _NEG_INF = -jnp.inf
 # dot_general dimension numbers for [N, a, b] operands batched over N.
 _NT = (((2,), (2,)), ((0,), (0,)))  # x @ y^T
 _NN = (((2,), (1,)), ((0,), (0,)))  # x @ y
-_TN = (((1,), (1,)), ((0,), (0,)))  # x^T @ y
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything that fixes the compiled program (hashable, not traced)."""
 
-    causal: bool
-    window: int | None
+    mask: AttentionMask
     block_q: int
     block_k: int
-    kv_len: int
     q_len_padded: int
     kv_heads: int
     groups: int
     prior_inside: bool
 
-    @property
-    def key_padding(self) -> bool:
-        return self.kv_len % self.block_k != 0
+
+class _Padded(NamedTuple):
+    """Inputs padded to whole tiles along the sequence axis (axis 1)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    q_seg: jax.Array | None
+    k_seg: jax.Array | None
+    offset: jax.Array
+    log_n: jax.Array | None  # [B or 1, T]: SSMax's log(n_i), None without SSMax
 
 
 def blockwise_attention(
@@ -84,10 +92,11 @@ def blockwise_attention(
     block_q: int,
     block_k: int,
 ) -> jax.Array:
-    """Same function as `reference_attention`, in memory linear in T and S."""
-    for name, value in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    """Same function as `reference_attention`, in memory linear in T and S.
+
+    block_q, block_k: tile sizes (None: DEFAULT_BLOCK), capped at the lengths.
+    """
+    check_block_sizes(block_q, block_k)
     check_attention_inputs(
         query_BxTxHxD,
         key_BxSxKxD,
@@ -103,42 +112,138 @@ def blockwise_attention(
     )
     if has_no_queries_or_keys(query_BxTxHxD, key_BxSxKxD):
         return jnp.zeros(query_BxTxHxD.shape, query_BxTxHxD.dtype)
-    q_len, num_heads = query_BxTxHxD.shape[1], query_BxTxHxD.shape[2]
-    kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
+    mask = AttentionMask(causal, window, key_BxSxKxD.shape[1])
+    static = _static(
+        mask,
+        ssmax_prior_inside,
+        query_BxTxHxD.shape,
+        key_BxSxKxD.shape,
+        block_q or DEFAULT_BLOCK,
+        block_k or DEFAULT_BLOCK,
+    )
+    padded = _pad_inputs(
+        static,
+        query_BxTxHxD,
+        key_BxSxKxD,
+        value_BxSxKxD,
+        query_segment_ids_BxT,
+        key_segment_ids_BxS,
+        query_offset,
+        ssmax=ssmax_scale_H is not None,
+    )
+    scale_KxG = None if ssmax_scale_H is None else _scale_by_kv_head(static, ssmax_scale_H)
+    bias_table = None
+    if prior is not None:
+        bias_table = prior.bias(_table_distances(static, padded.k.shape[1], padded.offset))
+    out = _attention(static, bias_table, scale_KxG, padded)
+    return out[:, : query_BxTxHxD.shape[1]]
+
+
+def flash_backward(
+    query_BxTxHxD: jax.Array,
+    key_BxSxKxD: jax.Array,
+    value_BxSxKxD: jax.Array,
+    prior: Prior | None,
+    ssmax_scale_H: jax.Array | None,
+    query_segment_ids_BxT: jax.Array | None,
+    key_segment_ids_BxS: jax.Array | None,
+    query_offset: jax.Array,
+    out_BxTxHxD: jax.Array,
+    lse_BxHxT: jax.Array,
+    d_out_BxTxHxD: jax.Array,
+    *,
+    mask: AttentionMask,
+    prior_inside: bool,
+    block: int,
+):
+    """Cotangents (dq, dk, dv, dprior, dssmax) of an attention forward computed elsewhere
+    (the Pallas kernels), from its output and natural-log log-sum-exp (+inf for rows
+    that see no key), by the blockwise backward on tiles of at most `block` rows/keys."""
+    q_len, kv_len = query_BxTxHxD.shape[1], key_BxSxKxD.shape[1]
+    static = _static(mask, prior_inside, query_BxTxHxD.shape, key_BxSxKxD.shape, block, block)
+    padded = _pad_inputs(
+        static,
+        query_BxTxHxD,
+        key_BxSxKxD,
+        value_BxSxKxD,
+        query_segment_ids_BxT,
+        key_segment_ids_BxS,
+        query_offset,
+        ssmax=ssmax_scale_H is not None,
+    )
+    q_pad = static.q_len_padded - q_len
+    out, d_out = (_pad_axis1(x, q_pad, 0) for x in (out_BxTxHxD, d_out_BxTxHxD))
+    lse = jnp.pad(lse_BxHxT, ((0, 0), (0, 0), (0, q_pad)), constant_values=jnp.inf)
+    scale_KxG, scale_vjp, bias_table, table_vjp = None, None, None, None
+    if ssmax_scale_H is not None:
+        scale_KxG, scale_vjp = jax.vjp(functools.partial(_scale_by_kv_head, static), ssmax_scale_H)
+    if prior is not None:
+        distances = _table_distances(static, padded.k.shape[1], padded.offset)
+        bias_table, table_vjp = jax.vjp(lambda p: p.bias(distances), prior)
+    dq, dk, dv, d_table, d_scale = _backward(
+        static, (bias_table, scale_KxG, padded, out, lse), d_out
+    )
+    d_prior = None if prior is None else table_vjp(d_table)[0]
+    d_scale = None if ssmax_scale_H is None else scale_vjp(d_scale)[0]
+    return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len], d_prior, d_scale
+
+
+def _static(
+    mask: AttentionMask,
+    prior_inside: bool,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    block_q: int,
+    block_k: int,
+) -> _Static:
+    q_len, num_heads = q_shape[1], q_shape[2]
+    kv_len, num_kv_heads = k_shape[1], k_shape[2]
     bq, bk = min(block_q, q_len), min(block_k, kv_len)
-    static = _Static(
-        causal=causal,
-        window=window,
+    return _Static(
+        mask=mask,
         block_q=bq,
         block_k=bk,
-        kv_len=kv_len,
         q_len_padded=q_len + -q_len % bq,
         kv_heads=num_kv_heads,
         groups=num_heads // num_kv_heads,
-        prior_inside=ssmax_prior_inside,
+        prior_inside=prior_inside,
     )
-    q_pad, kv_pad = -q_len % bq, -kv_len % bk
+
+
+def _pad_inputs(
+    static: _Static,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_seg: jax.Array | None,
+    k_seg: jax.Array | None,
+    query_offset,
+    *,
+    ssmax: bool,
+) -> _Padded:
+    q_len = q.shape[1]
+    q_pad, kv_pad = static.q_len_padded - q_len, -k.shape[1] % static.block_k
     offset = jnp.asarray(query_offset, jnp.int32)
-    q, k, v = (
-        _pad_axis1(x, pad, 0)
-        for x, pad in ((query_BxTxHxD, q_pad), (key_BxSxKxD, kv_pad), (value_BxSxKxD, kv_pad))
-    )
-    q_seg, k_seg = None, None
-    if query_segment_ids_BxT is not None:
-        q_seg = _pad_axis1(query_segment_ids_BxT.astype(jnp.int32), q_pad, -1)
-        k_seg = _pad_axis1(key_segment_ids_BxS.astype(jnp.int32), kv_pad, -1)
-    log_n, scale_KxG = None, None
-    if ssmax_scale_H is not None:
-        counts_BxT = visible_key_counts(
-            q_len + q_pad, kv_len, offset, q_seg, k_seg, causal=causal, window=window
-        )
+    if q_seg is not None:
+        q_seg = _pad_axis1(q_seg.astype(jnp.int32), q_pad, PADDING_SEGMENT)
+        k_seg = _pad_axis1(k_seg.astype(jnp.int32), kv_pad, PADDING_SEGMENT)
+    log_n = None
+    if ssmax:
+        counts_BxT = static.mask.visible_counts(static.q_len_padded, offset, q_seg, k_seg)
         log_n = log_visible_count(counts_BxT)
-        scale_KxG = ssmax_scale_H.astype(jnp.float32).reshape(num_kv_heads, static.groups)
-    bias_table = None
-    if prior is not None:
-        bias_table = prior.bias(_table_distances(static, k.shape[1], offset))
-    out = _attention(static, q, k, v, bias_table, scale_KxG, log_n, q_seg, k_seg, offset)
-    return out[:, :q_len]
+    return _Padded(
+        q=_pad_axis1(q, q_pad, 0),
+        k=_pad_axis1(k, kv_pad, 0),
+        v=_pad_axis1(v, kv_pad, 0),
+        q_seg=q_seg,
+        k_seg=k_seg,
+        offset=offset,
+        log_n=log_n,
+    )
+
+
+def _scale_by_kv_head(static: _Static, ssmax_scale_H: jax.Array) -> jax.Array:
+    return ssmax_scale_H.astype(jnp.float32).reshape(static.kv_heads, static.groups)
 
 
 def _pad_axis1(x: jax.Array, pad: int, value: int | float) -> jax.Array:
@@ -176,59 +281,16 @@ def _rows_to_bthd(static: _Static, x_NxRxD: jax.Array, batch: int) -> jax.Array:
     return x.reshape(batch, x.shape[1], static.kv_heads * static.groups, head_dim)
 
 
-# ----------------------------------------------------------------------------- ranges
-
-
-def _key_block_range(static: _Static, q_start: jax.Array, num_k_blocks: int):
-    """[lo, hi) key blocks that query positions q_start .. q_start + bq - 1 may see."""
-    first_pos, last_pos = q_start, q_start + static.block_q - 1
-    lo_pos = first_pos - static.window if static.window is not None else jnp.int32(0)
-    if static.causal:
-        hi_pos = last_pos
-    elif static.window is not None:
-        hi_pos = last_pos + static.window
-    else:
-        hi_pos = jnp.int32(static.kv_len - 1)
-    lo = jnp.clip(lo_pos // static.block_k, 0, num_k_blocks)
-    hi = jnp.clip(hi_pos // static.block_k + 1, 0, num_k_blocks)
-    return lo, hi
-
-
-def _query_block_range(static: _Static, k_start: jax.Array, offset: jax.Array, num_q_blocks: int):
-    """[lo, hi) query blocks whose rows may see keys k_start .. k_start + bk - 1."""
-    first_key, last_key = k_start, k_start + static.block_k - 1
-    if static.causal:
-        lo_pos = first_key
-    elif static.window is not None:
-        lo_pos = first_key - static.window
-    else:
-        lo_pos = None
-    lo = jnp.int32(0) if lo_pos is None else jnp.clip((lo_pos - offset) // static.block_q, 0, None)
-    hi = jnp.int32(num_q_blocks)
-    if static.window is not None:
-        hi = jnp.clip((last_key + static.window - offset) // static.block_q + 1, None, hi)
-    lo = jnp.minimum(lo, num_q_blocks)
-    return lo, jnp.maximum(hi, lo)
-
-
 # ----------------------------------------------------------------------------- tiles
 
 
 def _tile_mask(static: _Static, q_pos_Q, k_pos_C, q_seg_BxQ, k_seg_BxC) -> jax.Array:
     """Boolean [B or 1, Q, C]: may query row attend to key column."""
-    distance_QxC = q_pos_Q[:, None] - k_pos_C[None, :]
-    mask = jnp.ones(distance_QxC.shape, bool)
-    if static.causal:
-        mask &= distance_QxC >= 0
-    if static.window is not None:
-        mask &= jnp.abs(distance_QxC) <= static.window
-    if static.key_padding:
-        mask &= (k_pos_C < static.kv_len)[None, :]
-    mask = mask[None]
-    if q_seg_BxQ is not None:
-        same = q_seg_BxQ[:, :, None] == k_seg_BxC[:, None, :]
-        mask = mask & same & (k_seg_BxC >= 0)[:, None, :]
-    return mask
+    if q_seg_BxQ is None:
+        return static.mask.visible(q_pos_Q[None, :, None], k_pos_C[None, None, :])
+    return static.mask.visible(
+        q_pos_Q[None, :, None], k_pos_C[None, None, :], q_seg_BxQ[:, :, None], k_seg_BxC[:, None, :]
+    )
 
 
 def _expand_rows(static: _Static, x_BxQxC: jax.Array, batch: int) -> jax.Array:
@@ -326,7 +388,7 @@ def _tile_logits(
     k_NxCxD: jax.Array,
     bias_table: jax.Array | None,
     scale_KxG: jax.Array | None,
-    log_n_BxQ: jax.Array | None,
+    log_n_BxT: jax.Array | None,
     q_start: jax.Array,
     k_start: jax.Array,
 ) -> jax.Array:
@@ -338,7 +400,7 @@ def _tile_logits(
         bias_vec = _bias_vector(static, bias_table, q_start, k_start)
         bias = _tile_bias(static, bias_vec, batch)
     if scale_KxG is not None:
-        factor_NxRx1 = _ssmax_factor(static, scale_KxG, log_n_BxQ, batch)[..., None]
+        factor_NxRx1 = _ssmax_factor(static, scale_KxG, log_n_BxT, q_start, batch)[..., None]
         if bias is not None and static.prior_inside:
             return (logits + bias) * factor_NxRx1
         logits = logits * factor_NxRx1
@@ -352,21 +414,19 @@ def _slice_or_none(x: jax.Array | None, start, size: int, axis: int = 1) -> jax.
 # ----------------------------------------------------------------------------- passes
 
 
-def _forward(static: _Static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset):
-    """Output [B, T, H, D] (q.dtype), log-sum-exp [B, H, T] (-inf: the row saw nothing)
-    and whether a single key holds the row's whole probability (its softmax gradient
-    is then zero; taking it as exactly zero keeps the rounding of delta out of large
-    prior derivatives)."""
+def _forward(static: _Static, bias_table, scale, padded: _Padded):
+    """Output [B, T, H, D] (q.dtype) and natural-log log-sum-exp [B, H, T] (+inf for rows
+    that see no key, so that every probability recomputed from it is 0)."""
+    q, k, v, q_seg, k_seg, offset, log_n = padded
     batch, q_len, num_heads, _ = q.shape
     bq, bk = static.block_q, static.block_k
-    num_q_blocks, num_k_blocks = q_len // bq, k.shape[1] // bk
+    num_q_blocks = q_len // bq
 
     def query_block(qb, carry):
-        out, lse, one_hot = carry
+        out, lse = carry
         q_start = qb * bq
         q_tile = _rows_tile(static, q, q_start, bq)
         q_seg_tile = _slice_or_none(q_seg, q_start, bq)
-        log_n_tile = _slice_or_none(log_n, q_start, bq)
         q_pos = q_start + offset + jnp.arange(bq, dtype=jnp.int32)
 
         def key_block(kb, state):
@@ -376,7 +436,7 @@ def _forward(static: _Static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, o
             k_seg_tile = _slice_or_none(k_seg, k_start, bk)
             mask = _tile_mask(static, q_pos, k_start + jnp.arange(bk), q_seg_tile, k_seg_tile)
             logits = _tile_logits(
-                static, q_tile, k_tile, bias_table, scale, log_n_tile, q_start, k_start
+                static, q_tile, k_tile, bias_table, scale, log_n, q_start, k_start
             )
             logits = jnp.where(_expand_rows(static, mask, batch), logits, _NEG_INF)
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
@@ -393,21 +453,18 @@ def _forward(static: _Static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, o
             jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(q_tile.shape, jnp.float32),
         )
-        lo, hi = _key_block_range(static, q_start + offset, num_k_blocks)
+        lo, hi = static.mask.key_blocks(q_start + offset, bq, bk)
         m, denom, acc = lax.fori_loop(lo, hi, key_block, init)
         seen = denom > 0
         safe_denom = jnp.where(seen, denom, 1.0)
         out_tile = _rows_to_bthd(static, acc / safe_denom[..., None], batch).astype(out.dtype)
-        lse_tile = jnp.where(seen, m + jnp.log(safe_denom), _NEG_INF)
+        lse_tile = jnp.where(seen, m + jnp.log(safe_denom), jnp.inf)
         out = lax.dynamic_update_slice_in_dim(out, out_tile, q_start, axis=1)
         lse_tile = lse_tile.reshape(batch, num_heads, bq)
         lse = lax.dynamic_update_slice_in_dim(lse, lse_tile, q_start, axis=2)
-        one_hot_tile = (denom == 1.0).reshape(batch, num_heads, bq)
-        one_hot = lax.dynamic_update_slice_in_dim(one_hot, one_hot_tile, q_start, axis=2)
-        return out, lse, one_hot
+        return out, lse
 
-    stats_shape = (batch, num_heads, q_len)
-    init = (jnp.zeros(q.shape, q.dtype), jnp.zeros(stats_shape), jnp.zeros(stats_shape, bool))
+    init = (jnp.zeros(q.shape, q.dtype), jnp.zeros((batch, num_heads, q_len)))
     return lax.fori_loop(0, num_q_blocks, query_block, init)
 
 
@@ -416,14 +473,22 @@ def _backward(static: _Static, residuals, d_out):
 
     With keys as rows all five products are x @ y or x @ y^T, which XLA's CPU
     backend runs about 3x faster than the x^T @ y form the row layout needs.
+
+    A query that sees exactly one key has probability 1 on it and a zero softmax
+    gradient; both are taken exactly rather than recomputed from the log-sum-exp,
+    which for a saturated GGD prior (logits near -2 ** 100, not scaled by SSMax's
+    log(1) = 0) is only accurate to ~1e23. Elsewhere exp(logit - lse) is clamped at 1
+    against the rounding of a log-sum-exp computed by another forward (Pallas, log2
+    units).
     """
-    q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset, out, lse, one_hot = residuals
+    bias_table, scale, padded, out, lse = residuals
+    q, k, v, q_seg, k_seg, offset, log_n = padded
     batch, q_len, _, head_dim = q.shape
     bq, bk = static.block_q, static.block_k
     num_q_blocks, num_k_blocks = q_len // bq, k.shape[1] // bk
     sqrt_d = jnp.float32(math.sqrt(head_dim))
     delta_BxHxT = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    single_key_BxT = static.mask.visible_counts(q_len, offset, q_seg, k_seg) == 1
     zeros = functools.partial(jax.tree.map, jnp.zeros_like)
 
     def key_block(carry, kb):
@@ -438,10 +503,10 @@ def _backward(static: _Static, residuals, d_out):
             q_start = qb * bq
             q_tile = _rows_tile(static, q, q_start, bq)
             do_tile = _rows_tile(static, d_out, q_start, bq)
-            row_stats = (
-                _row_stats(static, x, q_start, bq)[:, None, :] for x in (lse, delta_BxHxT, one_hot)
+            lse_row, delta_row = (
+                _row_stats(static, x, q_start, bq)[:, None, :] for x in (lse, delta_BxHxT)
             )
-            lse_row, delta_row, one_hot_row = row_stats
+            single_key_row = _query_rows(static, single_key_BxT, q_start, batch)[:, None, :]
             q_pos = q_start + offset + jnp.arange(bq, dtype=jnp.int32)
             mask = _tile_mask(static, q_pos, k_pos, _slice_or_none(q_seg, q_start, bq), k_seg_tile)
 
@@ -454,14 +519,13 @@ def _backward(static: _Static, residuals, d_out):
                 )
             factor_row = None
             if scale is not None:
-                factor_row = _ssmax_factor(static, scale, _slice_or_none(log_n, q_start, bq), batch)
-                factor_row = factor_row[:, None, :]
+                factor_row = _ssmax_factor(static, scale, log_n, q_start, batch)[:, None, :]
             pre_scale, logits_t = _combine_transposed(static, scores_t, bias_t, factor_row)
-            p_t = jnp.exp(logits_t - lse_row)
+            p_t = jnp.where(single_key_row, 1.0, jnp.exp(jnp.minimum(logits_t - lse_row, 0.0)))
             p_t = jnp.where(_expand_transposed(static, mask, batch), p_t, 0.0)
             dv = dv + lax.dot_general(p_t, do_tile, _NN)
             dp_t = lax.dot_general(v_tile, do_tile, _NT)
-            ds_t = jnp.where(one_hot_row, 0.0, p_t * (dp_t - delta_row))
+            ds_t = jnp.where(single_key_row, 0.0, p_t * (dp_t - delta_row))
 
             d_bias_t = ds_t
             if scale is not None:
@@ -481,7 +545,7 @@ def _backward(static: _Static, residuals, d_out):
             return dk, dv, dq, d_table, d_scale
 
         dq, d_table, d_scale = carry
-        lo, hi = _query_block_range(static, k_start, offset, num_q_blocks)
+        lo, hi = static.mask.query_blocks(k_start, bk, offset, bq, num_q_blocks)
         init = (zeros(k_tile), zeros(v_tile), dq, d_table, d_scale)
         dk, dv, dq, d_table, d_scale = lax.fori_loop(lo, hi, query_block, init)
         return (dq, d_table, d_scale), (dk, dv)
@@ -510,11 +574,21 @@ def _split_batch(static: _Static, x_NxAxB: jax.Array) -> jax.Array:
     return x_NxAxB.reshape(-1, static.kv_heads, *x_NxAxB.shape[1:])
 
 
-def _ssmax_factor(static: _Static, scale_KxG, log_n_BxQ, batch: int) -> jax.Array:
-    """s_h * log(n_i) as [N, G*bq]."""
+def _ssmax_factor(static: _Static, scale_KxG, log_n_BxT, q_start, batch: int) -> jax.Array:
+    """s_h * log(n_i) of a query block's rows as [N, G*bq]."""
+    log_n_BxQ = lax.dynamic_slice_in_dim(log_n_BxT, q_start, static.block_q, axis=1)
     factor = scale_KxG[None, :, :, None] * log_n_BxQ[:, None, None, :]
     factor = jnp.broadcast_to(factor, (batch, *factor.shape[1:]))
     return factor.reshape(batch * static.kv_heads, -1)
+
+
+def _query_rows(static: _Static, x_BxT: jax.Array, q_start, batch: int) -> jax.Array:
+    """A query block's per-query values [B or 1, T] laid out as rows, [N, G*bq]."""
+    x_BxQ = lax.dynamic_slice_in_dim(x_BxT, q_start, static.block_q, axis=1)
+    x = jnp.broadcast_to(
+        x_BxQ[:, None, None, :], (batch, static.kv_heads, static.groups, static.block_q)
+    )
+    return x.reshape(batch * static.kv_heads, -1)
 
 
 def _ssmax_scale_grad(static, d_factor_NxR, log_n, q_start) -> jax.Array:
@@ -556,20 +630,22 @@ def _key_blocks_to_bskd(x_MxNxCxD: jax.Array, shape: tuple[int, ...]) -> jax.Arr
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset):
-    return _forward(static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset)[0]
+def _attention(static: _Static, bias_table, scale, padded: _Padded):
+    return _forward(static, bias_table, scale, padded)[0]
 
 
-def _attention_fwd(static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset):
-    out, lse, one_hot = _forward(static, q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset)
-    return out, (q, k, v, bias_table, scale, log_n, q_seg, k_seg, offset, out, lse, one_hot)
+def _attention_fwd(static: _Static, bias_table, scale, padded: _Padded):
+    out, lse = _forward(static, bias_table, scale, padded)
+    return out, (bias_table, scale, padded, out, lse)
 
 
-def _attention_bwd(static, residuals, d_out):
+def _attention_bwd(static: _Static, residuals, d_out):
     dq, dk, dv, d_table, d_scale = _backward(static, residuals, d_out)
-    log_n = residuals[5]
-    d_log_n = None if log_n is None else jnp.zeros_like(log_n)
-    return dq, dk, dv, d_table, d_scale, d_log_n, None, None, None
+    padded = residuals[2]
+    d_padded = jax.tree.map(lambda _: None, padded)._replace(q=dq, k=dk, v=dv)
+    if padded.log_n is not None:
+        d_padded = d_padded._replace(log_n=jnp.zeros_like(padded.log_n))
+    return d_table, d_scale, d_padded
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

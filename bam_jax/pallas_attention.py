@@ -18,9 +18,8 @@ Logits are formed in log2 units (softmax via exp2) and in float32. The GGD prior
 per tile from positions; nothing of size T x S is built. SSMax uses n_i, the number of
 keys query i can see, computed outside the kernel in O((T + S) log S).
 
-The backward pass is a custom VJP (bam_jax/kernels/backward.py): a pure-JAX recomputation over
-(key block, query block) tiles using the saved log-sum-exp, differentiating the tile
-logits with respect to queries, keys, prior parameters and SSMax scales.
+The backward pass is a custom VJP running the blockwise implementation's flash-style
+backward (`bam_jax.blockwise.flash_backward`) on the kernel's output and log-sum-exp.
 """
 
 from __future__ import annotations
@@ -33,16 +32,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bam_jax.attention import (
+from bam_jax.attention_inputs import (
     check_attention_inputs,
+    check_block_sizes,
     has_no_queries_or_keys,
-    log_visible_count,
-    visible_key_counts,
 )
-from bam_jax.attention import (  # re-exported: callers import it from this module
-    default_implementation as default_implementation,
-)
-from bam_jax.kernels.backward import attention_backward
+from bam_jax.blockwise import flash_backward
 from bam_jax.kernels.gpu import gpu_forward
 from bam_jax.kernels.tile_math import (
     NUM_HEAD_PARAMS,
@@ -53,11 +48,13 @@ from bam_jax.kernels.tile_math import (
     round_up,
 )
 from bam_jax.kernels.tpu import tpu_forward
-from bam_jax.priors import AlibiPrior, GGDPrior, Prior
+from bam_jax.masking import AttentionMask, log_visible_count
+from bam_jax.priors import AlibiPrior, GGDPrior, Prior, ggd_mu
 
 GPU_MAX_BLOCK_Q = 128
 GPU_MAX_BLOCK_K = 64
 TPU_LANES = 128
+BACKWARD_BLOCK = 512
 
 
 def pallas_attention(
@@ -97,6 +94,7 @@ def pallas_attention(
         and reuse it for the next query sub-block (see `_kernel`).
     num_warps, num_stages: Triton launch parameters (None = defaults by head dim).
     """
+    check_block_sizes(block_q, block_k)
     check_attention_inputs(
         query_BxTxHxD,
         key_BxSxKxD,
@@ -123,12 +121,10 @@ def pallas_attention(
         block_q=block_q,
         block_k=block_k,
         q_len=q_len,
-        kv_len=kv_len,
         head_dim=head_dim,
         groups=num_heads // num_kv_heads,
-        causal=causal,
-        window=window,
-        prior_kind=_prior_kind(prior, num_heads),
+        mask=AttentionMask(causal, window, kv_len),
+        prior_kind=_prior_kind(prior),
         ssmax=ssmax_scale_H is not None,
         prior_inside=ssmax_prior_inside,
         segments=query_segment_ids_BxT is not None,
@@ -140,14 +136,8 @@ def pallas_attention(
     offset = jnp.asarray(query_offset, jnp.int32).reshape(1)
     log_n_BxT = None
     if config.ssmax:
-        counts = visible_key_counts(
-            q_len,
-            kv_len,
-            offset[0],
-            query_segment_ids_BxT,
-            key_segment_ids_BxS,
-            causal=causal,
-            window=window,
+        counts = config.mask.visible_counts(
+            q_len, offset[0], query_segment_ids_BxT, key_segment_ids_BxS
         )
         log_n_BxT = jnp.broadcast_to(log_visible_count(counts), (batch, q_len))
     aux = AuxInputs(log_n_BxT, query_segment_ids_BxT, key_segment_ids_BxS, offset)
@@ -176,9 +166,6 @@ def _choose_blocks(
     block_q: int | None,
     block_k: int | None,
 ) -> tuple[int, int]:
-    for name, value in (("block_q", block_q), ("block_k", block_k)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
     if backend == "gpu":
         # Triton tiles: powers of two, >= 16 for tensor-core dots.
         bq = min(block_q or 128, GPU_MAX_BLOCK_Q, pl.next_power_of_2(max(q_len, 16)))
@@ -199,11 +186,9 @@ def _reuse_splits(block_q: int, block_k: int) -> int:
     return block_q // block_k
 
 
-def _prior_kind(prior: Prior | None, num_heads: int) -> Literal["none", "ggd", "alibi"]:
+def _prior_kind(prior: Prior | None) -> Literal["none", "ggd", "alibi"]:
     if prior is None:
         return "none"
-    if prior.num_heads != num_heads:
-        raise ValueError(f"prior has {prior.num_heads} heads, query has {num_heads}")
     if isinstance(prior, GGDPrior):
         return "ggd"
     if isinstance(prior, AlibiPrior):
@@ -213,21 +198,12 @@ def _prior_kind(prior: Prior | None, num_heads: int) -> Literal["none", "ggd", "
     )
 
 
-# ----------------------------------------------------------------------------------------
-# SSMax visible-key counts
-
-
-# ----------------------------------------------------------------------------------------
-# Forward wrapper and custom VJP
-
-
 def _head_params(config: KernelConfig, prior: Prior | None, ssmax_scale_H, num_heads: int):
     columns = [jnp.zeros((num_heads,), jnp.float32)] * NUM_HEAD_PARAMS
     if config.prior_kind == "ggd":
-        theta_mu = prior.theta_mu_H.astype(jnp.float32)
         columns[0] = jnp.exp(prior.theta_alpha_H.astype(jnp.float32))
         columns[1] = prior.theta_beta_H.astype(jnp.float32)
-        columns[2] = jnp.exp(theta_mu) - jnp.exp(-theta_mu)
+        columns[2] = ggd_mu(prior.theta_mu_H.astype(jnp.float32))
     elif config.prior_kind == "alibi":
         columns[0] = prior.slopes_H.astype(jnp.float32)
     if ssmax_scale_H is not None:
@@ -267,7 +243,22 @@ def _attention_fwd(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: Aux
 
 def _attention_bwd(config: KernelConfig, residuals, d_out):
     q, k, v, prior, ssmax_scale_H, aux, out, lse = residuals
-    grads = attention_backward(config, q, k, v, prior, ssmax_scale_H, aux, out, lse, d_out)
+    grads = flash_backward(
+        q,
+        k,
+        v,
+        prior,
+        ssmax_scale_H,
+        aux.q_seg_BxT,
+        aux.k_seg_BxS,
+        aux.offset_1[0],
+        out,
+        lse,
+        d_out,
+        mask=config.mask,
+        prior_inside=config.prior_inside,
+        block=BACKWARD_BLOCK,
+    )
     aux_cotangent = jax.tree.map(lambda _: None, aux)
     return (*grads, aux_cotangent)
 

@@ -81,7 +81,7 @@ def ggd_bias(
     alpha = jnp.asarray(theta_alpha_H, jnp.float32).reshape(expand)
     beta = jnp.asarray(theta_beta_H, jnp.float32).reshape(expand)
     theta_mu = jnp.asarray(theta_mu_H, jnp.float32).reshape(expand)
-    mu = jnp.exp(theta_mu) - jnp.exp(-theta_mu)
+    mu = ggd_mu(theta_mu)
     d = jnp.asarray(distance, jnp.float32)[None]
     gap = _abs_zero_subgradient(d - mu) + GGD_EPS
     # Saturated entries take gap = 1 inside the power so that no inf reaches the gradient.
@@ -89,6 +89,11 @@ def ggd_bias(
     saturated = jax.lax.stop_gradient(log2_magnitude > GGD_MAX_LOG2_MAGNITUDE)
     bias = -jnp.exp(alpha) * jnp.power(jnp.where(saturated, 1.0, gap), beta)
     return jnp.where(saturated, -(2.0**GGD_MAX_LOG2_MAGNITUDE), bias)
+
+
+def ggd_mu(theta_mu: jax.Array) -> jax.Array:
+    """The GGD location mu = exp(theta_mu) - exp(-theta_mu), elementwise, in theta_mu's dtype."""
+    return jnp.exp(theta_mu) - jnp.exp(-theta_mu)
 
 
 def _abs_zero_subgradient(x: jax.Array) -> jax.Array:

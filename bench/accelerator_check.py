@@ -47,8 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bam_jax.attention import PALLAS_VALIDATED_DEVICES, reference_attention, visibility_mask
+from bam_jax.attention import PALLAS_VALIDATED_DEVICES, reference_attention
 from bam_jax.blockwise import blockwise_attention
+from bam_jax.masking import AttentionMask, visibility_mask
 from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
 
@@ -391,12 +392,11 @@ def _gradient_checks(
     rng = np.random.default_rng(1)
     cotangent = jnp.asarray(rng.normal(size=inputs["q"].shape), jnp.float32)
     visible = visibility_mask(
+        AttentionMask(causal=True, window=None, kv_len=case.kv_len),
         jnp.arange(case.q_len) + case.offset,
         jnp.arange(case.kv_len),
         inputs["q_seg"],
         inputs["k_seg"],
-        causal=True,
-        window=None,
     ).any(-1)
     weights = cotangent * visible[..., None, None]
 

@@ -16,13 +16,9 @@ import numpy as np
 import pytest
 
 from bam_jax import attention
-from bam_jax.attention import (
-    dot_product_attention,
-    reference_attention,
-    visibility_mask,
-    visible_key_counts,
-)
-from bam_jax.pallas_attention import default_implementation, pallas_attention
+from bam_jax.attention import default_implementation, dot_product_attention, reference_attention
+from bam_jax.masking import AttentionMask, visibility_mask
+from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
 
 BETAS = (1.7, 1.0, 0.5, 0.0, -0.6)
@@ -124,12 +120,11 @@ def run_reference(case: Case, inputs: dict, **overrides) -> jax.Array:
 def query_visible(case: Case, inputs: dict) -> np.ndarray:
     """[B, T, 1, 1] True for queries that see at least one key (others output zeros)."""
     mask = visibility_mask(
+        AttentionMask(case.causal, case.window, case.keys),
         jnp.arange(case.q_len) + case.offset,
         jnp.arange(case.keys),
         inputs["q_seg"],
         inputs["k_seg"],
-        causal=case.causal,
-        window=case.window,
     )
     return np.asarray(mask.any(-1))[..., None, None]
 
@@ -233,10 +228,11 @@ def test_visible_key_counts_match_mask(causal: bool, window: int | None) -> None
     k_seg = jnp.asarray(rng.integers(-1, 3, size=(3, kv_len)), jnp.int32)  # interleaved ids
     q_seg = k_seg[:, offset : offset + q_len]
     positions = jnp.arange(q_len) + offset
+    mask = AttentionMask(causal, window, kv_len)
     for segs in ((None, None), (q_seg, k_seg)):
-        mask = visibility_mask(positions, jnp.arange(kv_len), *segs, causal=causal, window=window)
-        counts = visible_key_counts(q_len, kv_len, offset, *segs, causal=causal, window=window)
-        np.testing.assert_array_equal(counts, mask.sum(-1))
+        visible = visibility_mask(mask, positions, jnp.arange(kv_len), *segs)
+        counts = mask.visible_counts(q_len, offset, *segs)
+        np.testing.assert_array_equal(counts, visible.sum(-1))
 
 
 def test_bad_arguments_raise() -> None:

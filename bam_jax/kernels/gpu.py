@@ -24,10 +24,8 @@ from bam_jax.kernels.tile_math import (
     RowCoefficients,
     exact_math,
     finalize,
-    full_block_stop,
     ggd_unit,
     init_state,
-    key_block_range,
     load_head,
     online_update,
     row_coefficients,
@@ -127,11 +125,13 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
             new_carries.append(online_update(math_ops, carry, logits, v_KxD))
         return tuple(new_carries), units[:-1] if reuse else ()
 
-    start, stop = key_block_range(config, q_start)
+    start, stop = config.mask.key_blocks(q_start, config.block_q, config.block_k)
     window = tuple(unit_at((start - s) * bk) for s in range(1, splits)) if reuse else ()
     carries = tuple(init_state(sub_rows, q_ref.shape[1]) for _ in range(splits))
     # Tiles below the diagonal need no mask; the rest (diagonal, padding, documents) do.
-    full_stop = full_block_stop(config, q_start, start, stop)
+    full_stop = config.mask.full_key_blocks_stop(
+        q_start, config.block_k, start, stop, config.segments
+    )
     state = (carries, window)
     state = lax.fori_loop(start, full_stop, functools.partial(body, masked=False), state)
     carries, _ = lax.fori_loop(full_stop, stop, functools.partial(body, masked=True), state)

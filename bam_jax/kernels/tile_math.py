@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from bam_jax.masking import AttentionMask
 from bam_jax.priors import GGD_EPS, GGD_MAX_LOG2_MAGNITUDE
 
 Backend = Literal["gpu", "tpu"]
@@ -35,11 +36,9 @@ class KernelConfig:
     block_q: int
     block_k: int
     q_len: int
-    kv_len: int
     head_dim: int
     groups: int
-    causal: bool
-    window: int | None
+    mask: AttentionMask
     prior_kind: Literal["none", "ggd", "alibi"]
     ssmax: bool
     prior_inside: bool
@@ -54,7 +53,7 @@ class KernelConfig:
 
     @property
     def padded_kv_len(self) -> int:
-        return round_up(self.kv_len, self.block_k)
+        return round_up(self.mask.kv_len, self.block_k)
 
     @property
     def num_k_blocks(self) -> int:
@@ -157,7 +156,8 @@ def tile_logits_log2(
 
     ggd_unit_QxK: the GGD tile without its per-row coefficient when the caller already has
     it (the GPU kernel reuses it across query sub-blocks); computed here otherwise.
-    masked: False for tiles the caller knows to be fully visible (see `full_block_stop`).
+    masked: False for tiles the caller knows to be fully visible
+        (`AttentionMask.full_key_blocks_stop`).
     """
     shape = (q_QxD.shape[0], k_KxD.shape[0])
     scores = lax.dot_general(
@@ -173,16 +173,12 @@ def tile_logits_log2(
         logits = logits - jnp.abs(distance).astype(jnp.float32) * rows.prior
     if not masked:
         return logits
-    distance = _distance(k_start - q_start, shape)
-    visible = (k_start + lax.broadcasted_iota(jnp.int32, shape, 1)) < config.kv_len
-    if config.causal:
-        visible = visible & (distance <= 0)
-    if config.window is not None:
-        visible = visible & (distance >= -config.window)
-        if not config.causal:
-            visible = visible & (distance <= config.window)
-    if config.segments:
-        visible = visible & (q_seg_Qx1 == k_seg_1xK) & (k_seg_1xK >= 0)
+    visible = config.mask.visible(
+        q_start + lax.broadcasted_iota(jnp.int32, shape, 0),
+        k_start + lax.broadcasted_iota(jnp.int32, shape, 1),
+        q_seg_Qx1,
+        k_seg_1xK,
+    )
     return jnp.where(visible, logits, -jnp.inf)
 
 
@@ -218,43 +214,12 @@ def online_update(
 
 
 def finalize(carry: SoftmaxState) -> tuple[jax.Array, jax.Array]:
-    """Normalised output and natural-log log-sum-exp (+inf for rows that see no key)."""
+    """Normalised output and natural-log log-sum-exp (+inf for rows that see no key, so that
+    every probability the backward recomputes from it is 0)."""
     seen = carry.sum_Qx1 > 0
     out = carry.acc_QxD / jnp.where(seen, carry.sum_Qx1, 1.0)
     lse = (carry.max_Qx1 + jnp.log2(jnp.where(seen, carry.sum_Qx1, 1.0))) * jnp.float32(LN_2)
     return out, jnp.where(seen, lse, jnp.inf)
-
-
-def key_block_range(config: KernelConfig, q_start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[first, last) key blocks a query block starting at position q_start can see."""
-    q_last = q_start + (config.block_q - 1)
-    num_k = config.num_k_blocks
-    if config.causal:
-        stop = jnp.minimum(lax.div(q_last, config.block_k) + 1, num_k)
-    elif config.window is not None:
-        stop = jnp.minimum(lax.div(q_last + config.window, config.block_k) + 1, num_k)
-    else:
-        stop = jnp.int32(num_k)
-    start = jnp.int32(0)
-    if config.window is not None:
-        start = jnp.minimum(lax.div(jnp.maximum(q_start - config.window, 0), config.block_k), stop)
-    return start, stop
-
-
-def full_block_stop(
-    config: KernelConfig, q_start: jax.Array, start: jax.Array, stop: jax.Array
-) -> jax.Array:
-    """End of the leading key blocks in [start, stop) that every query of the block sees.
-
-    Those tiles need no mask: all their keys are real, in the past and (without documents
-    or a window) visible. Documents and windows mask every tile.
-    """
-    if config.segments or config.window is not None:
-        return start
-    full = jnp.int32(config.kv_len // config.block_k)
-    if config.causal:
-        full = jnp.minimum(full, lax.div(q_start + 1, config.block_k))
-    return jnp.clip(full, start, stop)
 
 
 def load_head(load: Callable[[int], jax.Array]) -> HeadScalars:

@@ -22,9 +22,7 @@ from bam_jax.kernels.tile_math import (
     SoftmaxState,
     exact_math,
     finalize,
-    full_block_stop,
     init_state,
-    key_block_range,
     load_head,
     online_update,
     row_coefficients,
@@ -39,7 +37,7 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
     out_ref, lse_ref, acc_ref, max_ref, sum_ref = refs
     h, q_block, k_block = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     q_start = offset_ref[0] + q_block * config.block_q
-    start, stop = key_block_range(config, q_start)
+    start, stop = config.mask.key_blocks(q_start, config.block_q, config.block_k)
 
     @pl.when(k_block == 0)
     def _():
@@ -70,7 +68,9 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
         )
 
     # Tiles below the diagonal need no mask; the rest (diagonal, padding, documents) do.
-    full_stop = full_block_stop(config, q_start, start, stop)
+    full_stop = config.mask.full_key_blocks_stop(
+        q_start, config.block_k, start, stop, config.segments
+    )
     pl.when((k_block >= start) & (k_block < full_stop))(lambda: update(masked=False))
     pl.when((k_block >= full_stop) & (k_block < stop))(lambda: update(masked=True))
 
@@ -90,7 +90,7 @@ def tpu_forward(config: KernelConfig, q, k, v, head_params_HxP, log_n, q_seg, k_
     v_BxKxSxD = v.transpose(0, 2, 1, 3)
 
     def kv_block(b, h, i, j, offset_ref):
-        start, stop = key_block_range(config, offset_ref[0] + i * bq)
+        start, stop = config.mask.key_blocks(offset_ref[0] + i * bq, bq, config.block_k)
         return (b, lax.div(h, groups), jnp.clip(j, start, jnp.maximum(stop - 1, start)), 0)
 
     def k_seg_block(b, h, i, j, offset_ref):

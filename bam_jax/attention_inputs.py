@@ -1,0 +1,150 @@
+"""Argument checks shared by every attention implementation.
+
+Only shapes, dtypes and Python values are read, so under jit the checks cost nothing at
+run time. Each public entry point (`reference_attention`, `blockwise_attention`,
+`pallas_attention`) runs them once; `dot_product_attention` leaves them to the one it
+dispatches to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bam_jax.masking import check_window
+from bam_jax.priors import Prior
+
+
+def check_attention_inputs(
+    query_BxTxHxD: jax.Array,
+    key_BxSxKxD: jax.Array,
+    value_BxSxKxD: jax.Array,
+    *,
+    prior: Prior | None,
+    ssmax_scale_H: jax.Array | None,
+    ssmax_prior_inside: bool,
+    query_segment_ids_BxT: jax.Array | None,
+    key_segment_ids_BxS: jax.Array | None,
+    query_offset: int | jax.Array,
+    causal: bool,
+    window: int | None,
+) -> None:
+    """Raises ValueError (shapes, values) or TypeError (dtypes) naming the bad argument.
+
+    Only shapes, dtypes and Python values are read, so under jit this costs nothing at
+    run time.
+    """
+    _check_qkv(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD)
+    batch, q_len, num_heads, _ = query_BxTxHxD.shape
+    kv_len = key_BxSxKxD.shape[1]
+    if prior is not None:
+        _check_prior(prior, num_heads)
+    if ssmax_scale_H is not None and jnp.shape(ssmax_scale_H) != (num_heads,):
+        raise ValueError(
+            f"ssmax_scale_H must have shape ({num_heads},) (one per query head), "
+            f"got {jnp.shape(ssmax_scale_H)}"
+        )
+    _check_segment_ids(query_segment_ids_BxT, key_segment_ids_BxS, batch, q_len, kv_len)
+    _check_positions(query_offset, causal, window, ssmax_prior_inside)
+
+
+def has_no_queries_or_keys(query_BxTxHxD: jax.Array, key_BxSxKxD: jax.Array) -> bool:
+    """True when the output is empty or every query sees no key (its output is then zero)."""
+    return 0 in (query_BxTxHxD.shape[0], query_BxTxHxD.shape[1], key_BxSxKxD.shape[1])
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, x in (("query_BxTxHxD", q), ("key_BxSxKxD", k), ("value_BxSxKxD", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have 4 axes [batch, length, heads, head_dim], got shape {x.shape}"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating-point dtype, got {x.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"key_BxSxKxD {k.shape} and value_BxSxKxD {v.shape} must have the same shape"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"query_BxTxHxD and key_BxSxKxD must have the same batch size, "
+            f"got {q.shape[0]} and {k.shape[0]}"
+        )
+    if q.shape[3] != k.shape[3] or q.shape[3] < 1:
+        raise ValueError(
+            f"query_BxTxHxD and key_BxSxKxD must have the same head_dim >= 1, "
+            f"got {q.shape[3]} and {k.shape[3]}"
+        )
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
+    if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads ({num_heads}) must be a positive multiple of kv heads "
+            f"({num_kv_heads}): query_BxTxHxD {q.shape}, key_BxSxKxD {k.shape}"
+        )
+
+
+def _check_prior(prior: Prior, num_heads: int) -> None:
+    """Every parameter of a dataclass prior (GGDPrior, AlibiPrior) holds one value per head."""
+    if not callable(getattr(prior, "bias", None)):
+        raise TypeError(f"prior must have a bias(distance) method, got {type(prior).__name__}")
+    if not dataclasses.is_dataclass(prior):
+        if getattr(prior, "num_heads", None) != num_heads:
+            raise ValueError(
+                f"prior.num_heads must be {num_heads} (the query heads), "
+                f"got {getattr(prior, 'num_heads', None)!r}"
+            )
+        return
+    for field in dataclasses.fields(prior):
+        if not field.metadata.get("pytree_node", True):
+            continue
+        shape = jnp.shape(getattr(prior, field.name))
+        if shape != (num_heads,):
+            raise ValueError(
+                f"prior.{field.name} must have shape ({num_heads},) (one per query head), "
+                f"got {shape}"
+            )
+
+
+def _check_segment_ids(q_seg, k_seg, batch: int, q_len: int, kv_len: int) -> None:
+    if (q_seg is None) != (k_seg is None):
+        raise ValueError("query_segment_ids_BxT and key_segment_ids_BxS must be given together")
+    if q_seg is None:
+        return
+    for name, ids, axes, expected in (
+        ("query_segment_ids_BxT", q_seg, "[batch, queries]", (batch, q_len)),
+        ("key_segment_ids_BxS", k_seg, "[batch, keys]", (batch, kv_len)),
+    ):
+        if jnp.shape(ids) != expected:
+            raise ValueError(f"{name} must have shape {axes} = {expected}, got {jnp.shape(ids)}")
+        if not jnp.issubdtype(jnp.result_type(ids), jnp.signedinteger):
+            raise TypeError(
+                f"{name} must have a signed integer dtype (document ids, negative for "
+                f"padding), got {jnp.result_type(ids)}"
+            )
+
+
+def _check_positions(query_offset, causal, window, ssmax_prior_inside) -> None:
+    if not jnp.issubdtype(jnp.result_type(query_offset), jnp.integer):
+        raise TypeError(
+            f"query_offset must be an integer (the position of the first query), "
+            f"got {jnp.result_type(query_offset)}"
+        )
+    if jnp.ndim(query_offset) != 0:
+        raise ValueError(f"query_offset must be a scalar, got shape {jnp.shape(query_offset)}")
+    if isinstance(query_offset, (int, np.integer)) and query_offset < 0:
+        raise ValueError(f"query_offset must be >= 0, got {query_offset}")
+    for name, flag in (("causal", causal), ("ssmax_prior_inside", ssmax_prior_inside)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    check_window(window)
+
+
+def check_block_sizes(block_q: int | None, block_k: int | None) -> None:
+    """Raises ValueError unless each tile size is None (the implementation's default) or a
+    positive int."""
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")

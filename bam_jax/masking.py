@@ -1,0 +1,195 @@
+"""Which keys each query may attend to: the one mask description every attention path uses.
+
+Key slot s sits at position s; query t sits at `query_offset + t`. A query at position q
+may see the key at position s when
+
+- s < kv_len (tiles padded past the last key see nothing there);
+- causal: s <= q;
+- window w: q - w <= s, and without causality also s <= q + w;
+- segment ids are given: the key has the query's id, and that id is not negative
+  (negative ids mark padding, never attended to and never counted by SSMax).
+
+The same description serves whole arrays (reference attention), tiles with traced block
+offsets (blockwise attention and the Pallas kernels), the SSMax key counts and the block
+ranges (which key blocks a query block visits, which query blocks see a key block).
+Block arithmetic uses `lax.div` on non-negative positions so that it lowers inside the
+Triton and Mosaic kernels too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+PADDING_SEGMENT = -1
+
+
+def check_window(window: object) -> None:
+    """Raises ValueError unless window is None or an int >= 0."""
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 0
+    ):
+        raise ValueError(f"window must be None or an int >= 0, got {window!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """Causality, sliding window and number of real keys (hashable: a static argument)."""
+
+    causal: bool
+    window: int | None
+    kv_len: int
+
+    def visible(
+        self,
+        query_positions: jax.Array,
+        key_positions: jax.Array,
+        query_segment_ids: jax.Array | None = None,
+        key_segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Boolean, the broadcast shape of the operands: may the query see the key.
+
+        Pass the operands shaped to broadcast against each other (queries along one
+        axis, keys along another); segment ids go with their positions' axes.
+        """
+        behind = query_positions - key_positions  # how far the key lies behind the query
+        mask = key_positions < self.kv_len
+        if self.causal:
+            mask = mask & (behind >= 0)
+        if self.window is not None:
+            mask = mask & (behind <= self.window)
+            if not self.causal:
+                mask = mask & (behind >= -self.window)
+        if query_segment_ids is not None:
+            same_segment = query_segment_ids == key_segment_ids
+            mask = mask & same_segment & (key_segment_ids >= 0)
+        shape = jnp.broadcast_shapes(jnp.shape(query_positions), jnp.shape(key_positions))
+        return jnp.broadcast_to(mask, jnp.broadcast_shapes(shape, mask.shape))
+
+    def key_span(self, first_query: jax.Array, last_query: jax.Array):
+        """[first, last] key positions that queries at first_query .. last_query may see
+        (empty when last < first)."""
+        first = jnp.zeros_like(first_query)
+        if self.window is not None:
+            first = jnp.maximum(first, first_query - self.window)
+        if self.causal:
+            last = last_query
+        elif self.window is not None:
+            last = last_query + self.window
+        else:
+            last = jnp.full_like(last_query, self.kv_len - 1)
+        return first, jnp.minimum(last, self.kv_len - 1)
+
+    def key_blocks(self, first_query: jax.Array, block_q: int, block_k: int):
+        """[start, stop) key blocks a query block whose first query sits at first_query
+        must visit; start <= stop <= the number of key blocks."""
+        first, last = self.key_span(first_query, first_query + (block_q - 1))
+        stop = lax.div(last, jnp.int32(block_k)) + 1
+        start = jnp.minimum(lax.div(first, jnp.int32(block_k)), stop)
+        return start, stop
+
+    def full_key_blocks_stop(
+        self, first_query: jax.Array, block_k: int, start, stop, has_segments: bool
+    ) -> jax.Array:
+        """End of the leading key blocks in [start, stop) that every query of the block
+        sees: all their keys are real and in the past. Documents and windows mask every
+        block."""
+        if has_segments or self.window is not None:
+            return start
+        full = jnp.int32(self.kv_len // block_k)
+        if self.causal:
+            full = jnp.minimum(full, lax.div(first_query + 1, jnp.int32(block_k)))
+        return jnp.clip(full, start, stop)
+
+    def query_blocks(
+        self, first_key: jax.Array, block_k: int, query_offset, block_q: int, num_q_blocks: int
+    ):
+        """[start, stop) query blocks with a query that may see a key of the key block
+        starting at first_key."""
+        start = jnp.int32(0)
+        if self.causal:
+            start = (first_key - query_offset) // block_q
+        elif self.window is not None:
+            start = (first_key - self.window - query_offset) // block_q
+        start = jnp.clip(start, 0, num_q_blocks)
+        stop = jnp.int32(num_q_blocks)
+        if self.window is not None:
+            last_query = first_key + block_k - 1 + self.window
+            stop = jnp.clip((last_query - query_offset) // block_q + 1, start, stop)
+        return start, stop
+
+    def visible_counts(
+        self,
+        q_len: int,
+        query_offset: int | jax.Array,
+        query_segment_ids_BxT: jax.Array | None,
+        key_segment_ids_BxS: jax.Array | None,
+    ) -> jax.Array:
+        """int32 [B or 1, T]: how many keys each query may see (SSMax's n_i), without a
+        T x S mask.
+
+        Keys of the query's document are located by a stable sort of the key segment ids
+        and a binary search, so arbitrary (even non-contiguous) segment ids are counted
+        exactly.
+        """
+        positions_T = jnp.arange(q_len, dtype=jnp.int32) + jnp.asarray(query_offset, jnp.int32)
+        first_T, last_T = self.key_span(positions_T, positions_T)
+        if query_segment_ids_BxT is None:
+            return jnp.maximum(last_T - first_T + 1, 0)[None]
+        count_le = jax.vmap(_segment_count_le)
+        last_BxT = jnp.broadcast_to(last_T, query_segment_ids_BxT.shape)
+        first_BxT = jnp.broadcast_to(first_T, query_segment_ids_BxT.shape)
+        counts_BxT = count_le(key_segment_ids_BxS, query_segment_ids_BxT, last_BxT) - count_le(
+            key_segment_ids_BxS, query_segment_ids_BxT, first_BxT - 1
+        )
+        counts_BxT = jnp.where(last_BxT >= first_BxT, counts_BxT, 0)
+        return jnp.where(query_segment_ids_BxT >= 0, counts_BxT, 0).astype(jnp.int32)
+
+
+def _segment_count_le(k_seg_S: jax.Array, q_seg_T: jax.Array, limit_T: jax.Array) -> jax.Array:
+    """Number of keys at positions <= limit_T whose segment id equals q_seg_T."""
+    kv_len = k_seg_S.shape[0]
+    order_S = jnp.argsort(k_seg_S, stable=True).astype(jnp.int32)
+    sorted_seg_S = k_seg_S[order_S]
+    start_T = jnp.searchsorted(sorted_seg_S, q_seg_T, side="left").astype(jnp.int32)
+    end_T = jnp.searchsorted(sorted_seg_S, q_seg_T, side="right").astype(jnp.int32)
+
+    def step(_, bounds):
+        low, high = bounds
+        active = low < high
+        mid = (low + high) // 2
+        go_right = order_S[jnp.clip(mid, 0, kv_len - 1)] <= limit_T
+        low = jnp.where(active & go_right, mid + 1, low)
+        high = jnp.where(active & ~go_right, mid, high)
+        return low, high
+
+    steps = max(1, math.ceil(math.log2(kv_len + 1)))
+    low, _ = lax.fori_loop(0, steps, step, (start_T, end_T))
+    return low - start_T
+
+
+def log_visible_count(visible_count: jax.Array) -> jax.Array:
+    """log(max(n_i, 1)) in float32: SSMax's length term (0 for rows with no visible key)."""
+    return jnp.log(jnp.maximum(visible_count, 1).astype(jnp.float32))
+
+
+def visibility_mask(
+    mask: AttentionMask,
+    query_positions_T: jax.Array,
+    key_positions_S: jax.Array,
+    query_segment_ids_BxT: jax.Array | None,
+    key_segment_ids_BxS: jax.Array | None,
+) -> jax.Array:
+    """Boolean [B or 1, T, S]: may query t attend to key s."""
+    if query_segment_ids_BxT is None:
+        return mask.visible(query_positions_T[None, :, None], key_positions_S[None, None, :])
+    return mask.visible(
+        query_positions_T[None, :, None],
+        key_positions_S[None, None, :],
+        query_segment_ids_BxT[:, :, None],
+        key_segment_ids_BxS[:, None, :],
+    )
