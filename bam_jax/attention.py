@@ -31,6 +31,7 @@ from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import Prior
 
 Implementation = Literal["reference", "blockwise", "pallas"]
+IMPLEMENTATION_CHOICES = ("auto", "reference", "blockwise", "pallas")
 # Device kinds (`jax.Device.device_kind`) on which the compiled Pallas kernels passed
 # bench/accelerator_check.py; the evidence (device, date, table) is in docs/accelerators.md.
 PALLAS_VALIDATED_DEVICES: tuple[str, ...] = ()
@@ -61,7 +62,7 @@ def dot_product_attention(
     query_offset: int | jax.Array = 0,
     causal: bool = True,
     window: int | None = None,
-    implementation: Implementation = "reference",
+    implementation: Implementation | Literal["auto"] = "auto",
     block_q: int = 256,
     block_k: int = 256,
 ) -> jax.Array:
@@ -72,6 +73,25 @@ def dot_product_attention(
     keys it may see, either including the prior (`ssmax_prior_inside`, the default)
     or before the prior is added. Softmax is computed in float32. A query that can
     see no key (padding) gets a zero output.
+
+    Args:
+      query_BxTxHxD: queries; H must be a multiple of K (grouped-query attention).
+      key_BxSxKxD, value_BxSxKxD: keys and values of the S key slots.
+      prior: a positional prior (`GGDPrior`, `AlibiPrior`) whose `bias(distance)` is
+        added to the logits, distance = key position - query position (<= 0 when causal);
+        None for no prior.
+      ssmax_scale_H: Scalable-Softmax scales s_h, or None for a plain softmax.
+      ssmax_prior_inside: with SSMax, whether the prior is scaled with the content logits
+        (True) or added after the scaling (False).
+      query_segment_ids_BxT, key_segment_ids_BxS: integer document ids; a query sees only
+        keys with its id, and negative ids mark padding. Both or neither.
+      query_offset: position of the first query (a KV cache's fill level when decoding).
+      causal: mask keys after the query.
+      window: with `causal`, each query sees only the `window` latest positions.
+      implementation: "auto" (the default: `default_implementation()`, blockwise unless
+        the Pallas kernel has been validated on this device kind), "reference" (the
+        T x S oracle), "blockwise" or "pallas".
+      block_q, block_k: tile sizes of the blockwise and Pallas implementations.
     """
     query_BxTxHxD, key_BxSxKxD, value_BxSxKxD = (
         jnp.asarray(x) for x in (query_BxTxHxD, key_BxSxKxD, value_BxSxKxD)
@@ -80,10 +100,12 @@ def dot_product_attention(
         None if x is None else jnp.asarray(x)
         for x in (ssmax_scale_H, query_segment_ids_BxT, key_segment_ids_BxS)
     )
-    if implementation not in ("reference", "blockwise", "pallas"):
+    if implementation not in IMPLEMENTATION_CHOICES:
         raise ValueError(
-            f"implementation must be 'reference', 'blockwise' or 'pallas', got {implementation!r}"
+            f"implementation must be one of {IMPLEMENTATION_CHOICES}, got {implementation!r}"
         )
+    if implementation == "auto":
+        implementation = default_implementation()
     kwargs = dict(
         prior=prior,
         ssmax_scale_H=ssmax_scale_H,

@@ -150,7 +150,9 @@ def _resolve_backend(backend: Backend | None) -> Backend:
         if platform not in ("gpu", "tpu"):
             raise ValueError(
                 f"the pallas implementation needs a GPU or TPU (running on {platform!r}); "
-                "pass backend='gpu' or 'tpu' with interpret=True to run it on CPU"
+                "use implementation='blockwise' (the same function) here, or call "
+                "bam_jax.pallas_attention.pallas_attention(..., backend='gpu', interpret=True) "
+                "to run the kernel in interpret mode"
             )
         return platform
     if backend not in ("gpu", "tpu"):

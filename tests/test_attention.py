@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bam_jax.attention import dot_product_attention
+from bam_jax.attention import default_implementation, dot_product_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes, init_ggd_prior
 
 
@@ -413,3 +413,24 @@ def test_blockwise_rejects_bad_arguments(kwargs: dict, message: str) -> None:
     x = jnp.zeros((1, 8, 2, 4), jnp.float32)
     with pytest.raises(ValueError, match=message):
         dot_product_attention(x, x, x, implementation="blockwise", **kwargs)
+
+
+def test_the_default_implementation_is_the_scalable_one_and_matches_the_reference():
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 70, 4, 8)), jnp.float32) for _ in range(3))
+    prior = GGDPrior(
+        jnp.asarray([0.5, 1.0, -0.3, 2.0]), jnp.asarray([0.1, -0.4, 0.6, 1.5]), jnp.zeros(4)
+    )
+    kwargs = dict(prior=prior, ssmax_scale_H=jnp.full((4,), 0.7), block_q=32, block_k=32)
+    assert default_implementation() == "blockwise"
+    chosen = dot_product_attention(q, k, v, **kwargs)
+    blockwise = dot_product_attention(q, k, v, implementation="blockwise", **kwargs)
+    reference = dot_product_attention(q, k, v, implementation="reference", **kwargs)
+    np.testing.assert_array_equal(chosen, blockwise)
+    np.testing.assert_allclose(chosen, reference, atol=2e-5)
+
+
+def test_pallas_on_cpu_names_options_that_exist():
+    x = jnp.zeros((1, 8, 2, 8))
+    with pytest.raises(ValueError, match=r"implementation='blockwise'.*pallas_attention\(\.\.\., "):
+        dot_product_attention(x, x, x, implementation="pallas")
