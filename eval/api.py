@@ -16,7 +16,7 @@ from bam_jax.inference import ChunkedForward, capacity_bucket
 from bam_jax.model import Transformer
 from eval import plots
 from eval.memory import activation_bytes, cache_bytes_per_slot, check_sample_memory
-from eval.models import EvalModel, for_inference, load_eval_model, resolve_tokenizer
+from eval.models import EvalModel, for_inference, load_eval_model, model_tokenizers
 from eval.passkey import PasskeySettings, evaluate_passkey
 from eval.perplexity import evaluate_perplexity, load_rows
 from eval.prior_inspect import figure_table, head_classes, prior_curves, prior_table
@@ -111,9 +111,10 @@ def run_passkey(
     if not lengths and not multiples:
         raise ValueError("give --lengths and/or --multiples")
     check_out_folder(out)
-    text_encoder = resolve_tokenizer(list(models), tokenizer)
+    tokenizers = model_tokenizers(list(models), tokenizer)
     evaluation = Evaluation({})
     for m in models:
+        text_encoder = tokenizers[m.name]
         settings = PasskeySettings(
             sampling=sampling,
             n_samples=samples,
@@ -206,7 +207,7 @@ def run_perplexity(
     are kept in OUT/NAME/perplexity.json and, with `figures`, OUT/perplexity.png is drawn."""
     check_perplexity_window(seq_len, window)
     check_out_folder(out)
-    text_encoder = resolve_tokenizer(list(models), tokenizer)
+    tokenizers = model_tokenizers(list(models), tokenizer)
     forwards = {m.name: inference.prepare(m.model) for m in models}
     capacity = capacity_bucket(seq_len + 1, inference.chunk_size)
     for name, (_, config) in forwards.items():
@@ -218,9 +219,14 @@ def run_perplexity(
             inference.memory_budget_bytes,
             "use a smaller --seq-len or raise --memory-gb",
         )
-    rows = load_rows(data, text_encoder, seq_len, sequences, packing=packing, text_key=text_key)
+    rows_by_tokenizer = {
+        name: load_rows(data, encoder, seq_len, sequences, packing=packing, text_key=text_key)
+        for name, encoder in {t.name: t for t in tokenizers.values()}.items()
+    }
     evaluation = Evaluation({})
     for m in models:
+        text_encoder = tokenizers[m.name]
+        rows = rows_by_tokenizer[text_encoder.name]
         settings = {
             "seq_len": seq_len,
             "window": window,
@@ -249,9 +255,15 @@ def run_perplexity(
                 evaluation.results,
                 {m.name: m.train_length for m in models},
                 os.path.join(out, "perplexity.png"),
+                title=f"Perplexity by position: {_data_label(data)}",
             )
         )
     return evaluation
+
+
+def _data_label(data: str) -> str:
+    """A dataset's name for a title: the hf: spec, or the last part of the path."""
+    return data if data.startswith("hf:") else os.path.basename(os.path.normpath(data))
 
 
 def check_perplexity_window(seq_len: int, window: int) -> None:

@@ -2,6 +2,8 @@
 
   bam-eval passkey RUN [RUN ...] --multiples 1,2,4,8,16,32,64,128,256,500
   bam-eval passkey RUN --lengths 0,1k,2k,4k,8k,16k,32k --samples 20 --sampling random
+
+Token counts take k = 1024 and m = 1024**2 (4k = 4096).
   bam-eval perplexity RUN [RUN ...] --data held_out.jsonl --seq-len 32768 --window 1024
   bam-eval prior RUN [RUN ...]
 
@@ -26,15 +28,15 @@ from eval.perplexity import PACKINGS
 
 
 def parse_count(text: str) -> int:
-    """'4096', '4k' (4000), '1.5m' -> int."""
+    """'4096', '4k' (4096), '1.5m' (1.5 x 2**20) -> int: token counts are binary."""
     text = text.strip().lower().replace("_", "")
-    scale = {"k": 1_000, "m": 1_000_000}.get(text[-1:], 1)
+    scale = {"k": 1024, "m": 1024**2}.get(text[-1:], 1)
     number = text[:-1] if scale > 1 else text
     try:
         value = float(number) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a token count like 4096 or 4k, got {text!r}"
+            f"expected a token count like 4096 or 4k (= 4096), got {text!r}"
         ) from None
     if value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"expected a whole token count >= 0, got {text!r}")
@@ -95,7 +97,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--step", type=non_negative, default=None, help="checkpoint step (workdirs)"
     )
     parser.add_argument(
-        "--tokenizer", default=None, help="mistral, byte, passkey:BASE or a file path"
+        "--tokenizer",
+        default=None,
+        help="mistral, byte, passkey:BASE, hf:NAME or a path, for every RUN (default: the "
+        "tokenizer each RUN was trained with)",
     )
     parser.add_argument("--out", default="eval_results", help="results and figures folder")
     parser.add_argument("--no-plots", action="store_true")
@@ -127,8 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bam-eval", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults_shown = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
 
-    pk = sub.add_parser("passkey", help="passkey retrieval accuracy vs prompt length")
+    pk = sub.add_parser(
+        "passkey", help="passkey retrieval accuracy vs prompt length", **defaults_shown
+    )
     _common(pk)
     _inference_options(pk)
     pk.add_argument("--lengths", type=_csv(parse_count), default=None, help="e.g. 0,1k,4k")
@@ -151,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--patience", type=positive, default=None, help="stop after N lengths at 0%%")
     pk.add_argument("--seed", type=non_negative, default=0)
 
-    ppl = sub.add_parser("perplexity", help="perplexity per window of positions")
+    ppl = sub.add_parser("perplexity", help="perplexity per window of positions", **defaults_shown)
     _common(ppl)
     _inference_options(ppl)
     ppl.add_argument(
@@ -165,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--packing", choices=PACKINGS, default="concat")
     ppl.add_argument("--text-key", default="text")
 
-    pr = sub.add_parser("prior", help="learned priors per layer and head")
+    pr = sub.add_parser("prior", help="learned priors per layer and head", **defaults_shown)
     _common(pr)
     pr.add_argument(
         "--max-distance",
@@ -238,7 +246,8 @@ def passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
         print(f"\nPasskey accuracy (%), sampling {sampling}, {args.samples} samples per length")
         print(api.passkey_table(evaluation.results, train_lengths))
         _print_figures(evaluation.figures[-1:])
-    print(f"results: {os.path.join(args.out, '<model>', 'passkey.json')}")
+    for m in models:
+        print(f"results: {os.path.join(args.out, m.name, 'passkey.json')}")
     return 0
 
 

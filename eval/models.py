@@ -181,29 +181,27 @@ def non_finite_parameters(model: nnx.Module, limit: int = 5) -> list[str]:
     return found
 
 
-def resolve_tokenizer(models: list[EvalModel], requested: str | None) -> Tokenizer:
-    """The tokenizer for all models; errors when a model records another or the ids overflow."""
-    recorded = {m.tokenizer for m in models if m.tokenizer}
-    if requested is None:
-        if len(recorded) > 1:
-            raise ValueError(
-                f"the models were trained with different tokenizers {sorted(recorded)}; "
-                "evaluate them separately"
-            )
-        requested = recorded.pop() if recorded else "mistral"
-    tokenizer = get_tokenizer(requested)
+def model_tokenizers(models: list[EvalModel], requested: str | None) -> dict[str, Tokenizer]:
+    """Each model's tokenizer: `requested` for all, or else the one each model was trained
+    with ("mistral" where none is recorded); an error when one does not fit its model."""
+    loaded: dict[str, Tokenizer] = {}
+    chosen = {}
     for m in models:
-        if m.tokenizer and m.tokenizer != requested:
+        spec = requested or m.tokenizer or "mistral"
+        if m.tokenizer and m.tokenizer != spec:
             raise ValueError(
-                f"model {m.name!r} was trained with tokenizer {m.tokenizer!r}, not {requested!r}"
+                f"model {m.name!r} was trained with tokenizer {m.tokenizer!r}, not {spec!r}; "
+                "leave out --tokenizer to use each model's own"
             )
+        tokenizer = loaded.setdefault(spec, get_tokenizer(spec))
         if tokenizer.vocab_size > m.config.vocab_size:
             raise ValueError(
                 f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids but model "
                 f"{m.name!r} has a vocabulary of {m.config.vocab_size}: checkpoint and "
                 "tokenizer do not match (pass --tokenizer)"
             )
-    return tokenizer
+        chosen[m.name] = tokenizer
+    return chosen
 
 
 def for_inference(

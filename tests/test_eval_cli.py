@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,7 +12,7 @@ from bam_jax.config import ModelConfig
 from bam_jax.reference_checkpoint import export_reference_checkpoint
 from eval import api
 from eval.cli import main, parse_count
-from eval.models import parse_model_arg, random_model
+from eval.models import model_tokenizers, parse_model_arg, random_model
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_parse_model_and_counts() -> None:
     assert parse_model_arg("x=runs/a@120") == ("x", "runs/a", 120)
     assert parse_model_arg("runs/a@b/") == ("a@b", "runs/a@b", None)
     counts = [parse_count(t) for t in ("4096", "4k", "1.5m", "32_768")]
-    assert counts == [4096, 4000, 1_500_000, 32_768]
+    assert counts == [4096, 4096, 1_572_864, 32_768]
 
 
 def test_passkey_writes_results_and_figures_then_reuses(run_dir, tmp_path, capsys) -> None:
@@ -133,3 +134,19 @@ def test_run_passkey_returns_what_the_command_stores(run_dir, tmp_path) -> None:
         assert entry["accuracy"] == stored["accuracy"]
         assert entry["correct"] == stored["correct"]
     assert evaluation.figures == []
+
+
+def test_runs_with_different_tokenizers_each_get_their_own() -> None:
+    def run(name: str, tokenizer: str, vocab: int) -> SimpleNamespace:
+        config = SimpleNamespace(vocab_size=vocab)
+        return SimpleNamespace(name=name, tokenizer=tokenizer, config=config)
+
+    models = [run("a", "byte", 300), run("b", "passkey:mistral", 128), run("c", "", 32_768)]
+    chosen = model_tokenizers(models, None)
+    assert {name: t.name for name, t in chosen.items()} == {
+        "a": "byte",
+        "b": "passkey:mistral",
+        "c": "mistral",
+    }
+    with pytest.raises(ValueError, match="model 'b' was trained with tokenizer 'passkey:mistral'"):
+        model_tokenizers(models, "byte")
