@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
+from bam_jax.logs import log_to_stdout
 from bam_jax.passkey import SAMPLINGS
 from eval import api, plots
 from eval.models import EvalModel
@@ -104,7 +105,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="eval_results", help="results and figures folder")
     parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress (bars on a terminal, else log lines)"
+    )
 
 
 def _inference_options(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_orphaned_checkpoint_reads()
+    log_to_stdout()
     try:
         check_arguments(args)
         models = api.load_models(args.models, step=args.step)

@@ -8,6 +8,8 @@ for the same settings are read back instead of recomputed.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +28,8 @@ from bam_jax.passkey import (
 )
 from eval.memory import check_sample_memory
 from eval.results import ResultStore
+
+logger = logging.getLogger("bam.eval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,18 +200,21 @@ def evaluate_passkey(
             scorer.min_capacity = capacity
             if batch_size is None:
                 batch_size = fitting_batch(settings.n_samples, capacity)
+    on_terminal = progress and sys.stderr.isatty()
     bar = tqdm(
         total=len(todo) * settings.n_samples,
-        disable=not progress or not todo,
+        disable=not on_terminal or not todo,
         desc=f"passkey {label}".strip(),
         unit="sample",
     )
+    log_label = label if progress and not on_terminal else None
     try:
         return _sweep(
             lengths,
             settings,
             store,
             patience,
+            log_label,
             lambda n: _run_length(
                 scorer,
                 tokenizer,
@@ -229,15 +236,26 @@ def _sweep(
     settings: PasskeySettings,
     store: ResultStore,
     patience: int | None,
+    log_label: str | None,
     run_length: Callable[[int], dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    """Stored entries where present, new ones otherwise; early stop on zero streaks."""
+    """Stored entries where present, new ones otherwise (logged on "bam.eval" under
+    `log_label` unless it is None); early stop on zero streaks."""
     results, zero_streak = [], 0
     for n in lengths:
         entry = store.get(settings.as_dict(), str(n))
         if entry is None:
             entry = run_length(n)
             store.put(settings.as_dict(), str(n), entry)
+            if log_label is not None:
+                logger.info(
+                    "passkey %s: length %d, accuracy %.0f%% (%d samples, %.2f s each)",
+                    log_label,
+                    n,
+                    100 * entry["accuracy"],
+                    len(entry["correct"]),
+                    entry["seconds_per_sample"],
+                )
         results.append(entry)
         zero_streak = zero_streak + 1 if entry["accuracy"] == 0.0 else 0
         if patience is not None and zero_streak >= patience:

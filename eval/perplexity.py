@@ -20,6 +20,7 @@ one row each, starting with BOS (the long-Wikipedia-articles protocol).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -124,7 +125,11 @@ def evaluate_perplexity(
     loss_sum_W = np.zeros(n_windows)
     loss_sq_W = np.zeros(n_windows)
     start = time.perf_counter()
-    bar = tqdm(total=len(rows_NxT), disable=not progress, desc=f"perplexity {label}".strip())
+    bar = tqdm(
+        total=len(rows_NxT),
+        disable=not progress or not sys.stderr.isatty(),
+        desc=f"perplexity {label}".strip(),
+    )
     for i in range(0, len(rows_NxT), batch_size):
         loss_BxT = scorer.next_token_loss(rows_NxT[i : i + batch_size]).astype(np.float64)
         loss_BxWxK = loss_BxT.reshape(len(loss_BxT), n_windows, window)

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from bam_jax.logs import log_to_stdout
 from configs.presets import preset
 from eval import api
 from train.config import TrainConfig
@@ -70,7 +71,7 @@ def train_and_evaluate(
         workdir = os.path.join(out, "runs", encoding)
         start = time.perf_counter()
         cfg = quickstart_config(encoding, steps, preset_name)
-        train(cfg.replace(progress_bar=False), workdir)
+        train(cfg, workdir)
         print(f"{encoding}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
         runs.append(f"{encoding}={workdir}")
     models = api.load_models(runs)
@@ -80,7 +81,6 @@ def train_and_evaluate(
         samples=samples,
         out=out,
         figures=plots,
-        progress=False,
     )
     print(f"\nPasskey accuracy (%), sampling equidistant, {samples} samples per length")
     print(api.passkey_table(evaluation.results, {m.name: m.train_length for m in models}))
@@ -91,6 +91,7 @@ def train_and_evaluate(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log_to_stdout()
     start = time.perf_counter()
     try:
         status = train_and_evaluate(

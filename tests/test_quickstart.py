@@ -53,6 +53,8 @@ def test_quickstart_smoke(tmp_path, capsys):
     out = _run(tmp_path, "--steps", "2", "--multiples", "1,2", "--samples", "2")
     printed = capsys.readouterr().out
     assert "Passkey accuracy" in printed
+    assert "step 2/2 loss" in printed and "parameters" in printed
+    assert f"passkey bam_ssmax: length {2 * train_length}, accuracy" in printed
     accuracies = _accuracies(out, "bam_ssmax")
     assert set(accuracies) == {train_length, 2 * train_length}
     assert all(0.0 <= a <= 1.0 for a in accuracies.values())
