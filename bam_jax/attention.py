@@ -24,7 +24,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from bam_jax.attention_inputs import check_attention_inputs, has_no_queries_or_keys
+from bam_jax.attention_inputs import checked_attention
 from bam_jax.blockwise import blockwise_attention
 from bam_jax.masking import AttentionMask, log_visible_count, visibility_mask
 from bam_jax.pallas_attention import pallas_attention
@@ -127,6 +127,7 @@ def dot_product_attention(
     )
 
 
+@checked_attention
 def reference_attention(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
@@ -142,21 +143,6 @@ def reference_attention(
     window: int | None,
 ) -> jax.Array:
     """The oracle: materialises the [B, H, T, S] logits."""
-    check_attention_inputs(
-        query_BxTxHxD,
-        key_BxSxKxD,
-        value_BxSxKxD,
-        prior=prior,
-        ssmax_scale_H=ssmax_scale_H,
-        ssmax_prior_inside=ssmax_prior_inside,
-        query_segment_ids_BxT=query_segment_ids_BxT,
-        key_segment_ids_BxS=key_segment_ids_BxS,
-        query_offset=query_offset,
-        causal=causal,
-        window=window,
-    )
-    if has_no_queries_or_keys(query_BxTxHxD, key_BxSxKxD):
-        return jnp.zeros(query_BxTxHxD.shape, query_BxTxHxD.dtype)
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
     groups = num_heads // num_kv_heads

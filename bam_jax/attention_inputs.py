@@ -1,14 +1,17 @@
 """Argument checks shared by every attention implementation.
 
 Only shapes, dtypes and Python values are read, so under jit the checks cost nothing at
-run time. Each public entry point (`reference_attention`, `blockwise_attention`,
-`pallas_attention`) runs them once; `dot_product_attention` leaves them to the one it
-dispatches to.
+run time. Each public implementation (`reference_attention`, `blockwise_attention`,
+`pallas_attention`) is wrapped in `checked_attention`, which runs them once;
+`dot_product_attention` leaves them to the one it dispatches to.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +52,42 @@ def check_attention_inputs(
         )
     _check_segment_ids(query_segment_ids_BxT, key_segment_ids_BxS, batch, q_len, kv_len)
     _check_positions(query_offset, causal, window, ssmax_prior_inside)
+
+
+CHECKED_ARGUMENTS = (
+    "prior",
+    "ssmax_scale_H",
+    "ssmax_prior_inside",
+    "query_segment_ids_BxT",
+    "key_segment_ids_BxS",
+    "query_offset",
+    "causal",
+    "window",
+)
+
+
+def checked_attention(implementation: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """`implementation` (query, key, value and the CHECKED_ARGUMENTS by keyword, optionally
+    block_q/block_k) with its arguments checked first, and zeros of the query's shape
+    returned without running it when there are no queries or no keys."""
+    signature = inspect.signature(implementation)
+
+    @functools.wraps(implementation)
+    def run(*args, **kwargs) -> jax.Array:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        if "block_q" in given:
+            check_block_sizes(given["block_q"], given["block_k"])
+        query, key, value = (given[name] for name in list(signature.parameters)[:3])
+        check_attention_inputs(
+            query, key, value, **{name: given[name] for name in CHECKED_ARGUMENTS}
+        )
+        if has_no_queries_or_keys(query, key):
+            return jnp.zeros(query.shape, query.dtype)
+        return implementation(*args, **kwargs)
+
+    return run
 
 
 def has_no_queries_or_keys(query_BxTxHxD: jax.Array, key_BxSxKxD: jax.Array) -> bool:

@@ -36,11 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bam_jax.attention_inputs import (
-    check_attention_inputs,
-    check_block_sizes,
-    has_no_queries_or_keys,
-)
+from bam_jax.attention_inputs import checked_attention
 from bam_jax.masking import PADDING_SEGMENT, AttentionMask, log_visible_count
 from bam_jax.priors import Prior
 
@@ -76,6 +72,7 @@ class _Padded(NamedTuple):
     log_n: jax.Array | None  # [B or 1, T]: SSMax's log(n_i), None without SSMax
 
 
+@checked_attention
 def blockwise_attention(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
@@ -96,22 +93,6 @@ def blockwise_attention(
 
     block_q, block_k: tile sizes (None: DEFAULT_BLOCK), capped at the lengths.
     """
-    check_block_sizes(block_q, block_k)
-    check_attention_inputs(
-        query_BxTxHxD,
-        key_BxSxKxD,
-        value_BxSxKxD,
-        prior=prior,
-        ssmax_scale_H=ssmax_scale_H,
-        ssmax_prior_inside=ssmax_prior_inside,
-        query_segment_ids_BxT=query_segment_ids_BxT,
-        key_segment_ids_BxS=key_segment_ids_BxS,
-        query_offset=query_offset,
-        causal=causal,
-        window=window,
-    )
-    if has_no_queries_or_keys(query_BxTxHxD, key_BxSxKxD):
-        return jnp.zeros(query_BxTxHxD.shape, query_BxTxHxD.dtype)
     mask = AttentionMask(causal, window, key_BxSxKxD.shape[1])
     static = _static(
         mask,

@@ -32,11 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bam_jax.attention_inputs import (
-    check_attention_inputs,
-    check_block_sizes,
-    has_no_queries_or_keys,
-)
+from bam_jax.attention_inputs import checked_attention
 from bam_jax.blockwise import flash_backward
 from bam_jax.kernels.gpu import gpu_forward
 from bam_jax.kernels.tile_math import (
@@ -57,6 +53,7 @@ TPU_LANES = 128
 BACKWARD_BLOCK = 512
 
 
+@checked_attention
 def pallas_attention(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
@@ -94,22 +91,6 @@ def pallas_attention(
         and reuse it for the next query sub-block (see `_kernel`).
     num_warps, num_stages: Triton launch parameters (None = defaults by head dim).
     """
-    check_block_sizes(block_q, block_k)
-    check_attention_inputs(
-        query_BxTxHxD,
-        key_BxSxKxD,
-        value_BxSxKxD,
-        prior=prior,
-        ssmax_scale_H=ssmax_scale_H,
-        ssmax_prior_inside=ssmax_prior_inside,
-        query_segment_ids_BxT=query_segment_ids_BxT,
-        key_segment_ids_BxS=key_segment_ids_BxS,
-        query_offset=query_offset,
-        causal=causal,
-        window=window,
-    )
-    if has_no_queries_or_keys(query_BxTxHxD, key_BxSxKxD):
-        return jnp.zeros(query_BxTxHxD.shape, query_BxTxHxD.dtype)
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
     backend = _resolve_backend(backend)
