@@ -11,6 +11,7 @@ import pytest
 
 from bam_jax.tokenizers import get_tokenizer
 from configs.presets import PAPER_CONTEXTS, PAPER_SIZES, TRAINING_PRESETS, preset
+from tests.byte_runs import byte_text_config
 from train import loop as train_loop
 from train.config import validate_for_runtime
 from train.data import BatchLayout, DataConfig, val_batches
@@ -33,15 +34,7 @@ def shards(tmp_path_factory):
 
 
 def small_config(corpus: str, **changes):
-    cfg = preset("micro")
-    fields = dict(
-        model=cfg.model.replace(vocab_size=259, max_seq_len=64),
-        data=DataConfig(source="text", path=corpus, tokenizer="byte", val_rows=8),
-        batch_size=4,
-        eval_every=4,
-        eval_batches=2,
-    )
-    return cfg.replace(**{**fields, **changes})
+    return byte_text_config(corpus, **{**dict(eval_every=4, eval_batches=2), **changes})
 
 
 @pytest.fixture(scope="module")

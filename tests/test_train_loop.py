@@ -19,8 +19,8 @@ from bam_jax.io.checkpoints import load_model
 from bam_jax.model import Transformer
 from bam_jax.tokenizers import get_tokenizer
 from configs.presets import preset
+from tests.byte_runs import byte_text_config, write_word_corpus
 from tests.run_metrics import read_metrics
-from tests.word_corpus import write_word_corpus
 from train import loop as train_loop
 from train.checkpoint import read_config
 from train.data import DataConfig, PasskeyRows, train_iterator
@@ -40,20 +40,15 @@ def corpus(tmp_path_factory) -> str:
 
 
 def small_config(corpus, **changes):
-    """A byte-level model on a text corpus: quick steps and a loss that falls at once."""
-    cfg = preset("micro")
+    """Quick steps and a loss that falls at once."""
     fields = dict(
-        model=cfg.model.replace(vocab_size=259, max_seq_len=64),
-        data=DataConfig(source="text", path=corpus, tokenizer="byte", val_rows=8),
-        optim=dataclasses.replace(cfg.optim, lr=3e-2),
+        optim=dataclasses.replace(preset("micro").optim, lr=3e-2),
         steps=STEPS,
-        batch_size=4,
-        log_every=1,
         eval_every=4,
         eval_batches=2,
         checkpoint_every=STEPS // 2,
     )
-    return cfg.replace(**{**fields, **changes})
+    return byte_text_config(corpus, **{**fields, **changes})
 
 
 @pytest.fixture(scope="module")

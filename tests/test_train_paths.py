@@ -20,8 +20,8 @@ from bam_jax.io.files import run_path
 from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.tokenizers import get_tokenizer
 from configs.presets import preset
-from tests.run_metrics import read_metrics
-from tests.word_corpus import write_word_corpus
+from tests.byte_runs import byte_text_config, write_word_corpus
+from tests.run_metrics import read_metrics, records_without_time
 from train import loop
 from train.checkpoint import Checkpointer, read_config
 from train.config import validate_for_runtime
@@ -42,13 +42,12 @@ def corpus(tmp_path_factory) -> str:
 
 
 def small_config(corpus: str):
-    cfg = preset("micro")
-    return cfg.replace(
-        model=cfg.model.replace(vocab_size=259, max_seq_len=32),
-        data=DataConfig(source="text", path=corpus, tokenizer="byte", val_rows=4),
+    return byte_text_config(
+        corpus,
+        seq_len=32,
+        val_rows=4,
         steps=STEPS,
         batch_size=2,
-        log_every=1,
         eval_every=0,
         checkpoint_every=STEPS,
     )
@@ -240,8 +239,3 @@ def test_data_positions_that_differ_by_process_are_a_one_line_error(tmp_path):
     with pytest.raises(CheckpointReadError, match=r"checkpoints/3 cannot be read: .*process count"):
         checkpointer.restore(3, abstract)
     checkpointer.close()
-
-
-def records_without_time(records: list[dict]) -> list[dict]:
-    """Metrics records less the wall-clock time each new record carries."""
-    return [{k: v for k, v in r.items() if k != "time"} for r in records]

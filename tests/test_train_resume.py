@@ -16,12 +16,10 @@ import numpy as np
 import pytest
 
 from bam_jax.io.checkpoints import error_summary, load_model, quiet_orphaned_checkpoint_reads
-from configs.presets import preset
-from tests.run_metrics import read_metrics
-from tests.word_corpus import write_word_corpus
+from tests.byte_runs import byte_text_config, write_word_corpus
+from tests.run_metrics import read_metrics, records_without_time
 from train import loop
 from train.checkpoint import read_config
-from train.data import DataConfig
 from train.loop import train
 from train.metrics import MetricsWriter
 from train.state import ModelParts
@@ -38,17 +36,8 @@ def corpus(tmp_path_factory) -> str:
 
 
 def small_config(corpus, **changes):
-    cfg = preset("micro")
-    fields = dict(
-        model=cfg.model.replace(vocab_size=259, max_seq_len=64),
-        data=DataConfig(source="text", path=corpus, tokenizer="byte", val_rows=8),
-        steps=STEPS,
-        batch_size=4,
-        log_every=1,
-        eval_every=0,
-        checkpoint_every=2,
-    )
-    return cfg.replace(**{**fields, **changes})
+    fields = dict(steps=STEPS, eval_every=0, checkpoint_every=2)
+    return byte_text_config(corpus, **{**fields, **changes})
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +254,3 @@ def test_reads_orphaned_by_a_failed_restore_print_nothing(monkeypatch):
             raise ValueError("a page of orbax spec\n...")  # noqa: B904
     except ValueError as wrapped:
         assert error_summary(wrapped).startswith("OSError: tensorstore: byte range")
-
-
-def records_without_time(records: list[dict]) -> list[dict]:
-    """Metrics records less the wall-clock time each new record carries."""
-    return [{k: v for k, v in r.items() if k != "time"} for r in records]
