@@ -34,7 +34,7 @@ from bam_jax.io.checkpoints import (
     error_summary,
     explained_read_errors,
 )
-from bam_jax.io.files import is_url, run_path
+from bam_jax.io.files import is_url, run_path, write_text_atomically
 from bam_jax.model import count_params
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, validate_for_runtime
@@ -409,7 +409,7 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
         state, start, notes = _resume(setup, checkpointer, data, workdir)
         if jax.process_index() == 0:
             config_json = json.dumps(cfg.to_dict(), indent=2)
-            (run_path(workdir) / "config.json").write_text(config_json, encoding="utf-8")
+            write_text_atomically(run_path(workdir) / "config.json", config_json)
         writer = MetricsWriter(
             workdir, total_steps=cfg.steps, start_step=start, progress_bar=cfg.progress_bar
         )
