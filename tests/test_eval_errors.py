@@ -74,7 +74,7 @@ def test_a_sample_over_the_memory_budget_is_refused_before_any_work(run_dir, tmp
     argv = f"passkey {run_dir} --tokenizer byte --lengths 20k --memory-gb 0.001 --out {out}"
     assert main([*argv.split(), "--quiet", "--no-plots"]) == 2
     err = _error(capsys)
-    assert "passkey length 20000" in err and "1.02 MB" in err
+    assert "passkey length 20480" in err and "1.02 MB" in err
     assert "--memory-gb" in err and "--lengths" in err
     assert not (out / "bam" / "passkey.json").exists()
 
@@ -102,7 +102,7 @@ def test_perplexity_sequence_over_the_memory_budget_is_refused(run_dir, tmp_path
     argv = f"perplexity {run_dir} --tokenizer byte --data {text} --seq-len 64k --window 1k"
     assert main([*argv.split(), "--memory-gb", "0.01", "--out", str(tmp_path / "o")]) == 2
     err = _error(capsys)
-    assert "--seq-len 64000" in err and "10.24 MB" in err and "--memory-gb" in err
+    assert "--seq-len 65536" in err and "10.24 MB" in err and "--memory-gb" in err
 
 
 def test_automatic_batches_count_activations() -> None:
