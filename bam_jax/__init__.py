@@ -12,6 +12,8 @@ Shape suffixes. Array names end in their shape, letters joined by "x"
     D  head dimension                  N  key block (tile columns)
 """
 
+import importlib.metadata
+
 from bam_jax.attention import dot_product_attention, reference_attention
 from bam_jax.config import ENCODINGS, ModelConfig
 from bam_jax.inference import decode_step, generate, init_cache, prefill
@@ -39,6 +41,11 @@ from bam_jax.reference_checkpoint import (
     export_reference_checkpoint,
     load_reference_checkpoint,
 )
+
+try:
+    __version__ = importlib.metadata.version("bam-jax")
+except importlib.metadata.PackageNotFoundError:  # a checkout that was never pip-installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ENCODINGS",

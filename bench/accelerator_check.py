@@ -656,8 +656,8 @@ def run_throughput(run: ThroughputRun, variants: tuple[str, ...]) -> None:
 
 def training_config(implementation: str, settings: Settings):
     """The l12_512 preset in bf16 on passkey data, batch reduced to one device's share."""
-    from configs.presets import preset
-    from train.data import DataConfig
+    from bam_configs.presets import preset
+    from bam_train.data import DataConfig
 
     cfg = preset("l12_512")
     model = cfg.model.replace(attention_impl=implementation, dtype="bfloat16")
@@ -694,8 +694,8 @@ def training_flops(params: int, cfg, tokens: int) -> float:
 
 def measure_training(cfg, settings: Settings, deadline: Deadline) -> dict[str, float]:
     from bam_jax.model import count_params
-    from train.data import train_iterator
-    from train.loop import build
+    from bam_train.data import train_iterator
+    from bam_train.loop import build
 
     setup = build(cfg)
     start = time.perf_counter()

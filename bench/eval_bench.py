@@ -48,12 +48,12 @@ def measure(
     the planned memory with `compile_only`)."""
     import numpy as np
 
+    from bam_eval.memory import cache_bytes_per_slot
+    from bam_eval.models import for_inference, random_model
+    from bam_eval.passkey import PasskeySettings, samples_for_length, score_samples
     from bam_jax.config import ModelConfig
     from bam_jax.inference import ChunkedForward
     from bam_jax.tokenizers import get_tokenizer
-    from eval.memory import cache_bytes_per_slot
-    from eval.models import for_inference, random_model
-    from eval.passkey import PasskeySettings, samples_for_length, score_samples
 
     spec = dict(MODELS[model_name])
     config = ModelConfig.of_size(spec.pop("preset"), encoding="bam_ssmax", **spec)
@@ -100,7 +100,7 @@ def _leaves(model):
 
 
 def _parse_lengths(text: str) -> list[int]:
-    from eval.cli import parse_count
+    from bam_eval.cli import parse_count
 
     return [parse_count(t) for t in text.split(",")]
 

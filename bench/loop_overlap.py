@@ -4,7 +4,7 @@ checkouts of the project side by side.
   git worktree add /tmp/wt-before COMMIT
   python bench/loop_overlap.py --before=/tmp/wt-before --after=. --repeats=3
 
-Each run is a fresh process that calls `train.loop.train` on the tiny preset with
+Each run is a fresh process that calls `bam_train.loop.train` on the tiny preset with
 validation off and one checkpoint at the end; steps/s is read from metrics.jsonl over the
 windows after the first (which may hold compilation), so both checkouts are timed the same
 way. Runs of the two checkouts are interleaved, and the float32 matmul rate is measured
@@ -23,8 +23,8 @@ import textwrap
 
 RUN = """
 import json, sys, time
-from configs.presets import preset
-from train.loop import train
+from bam_configs.presets import preset
+from bam_train.loop import train
 from tests.run_metrics import read_metrics
 
 steps, log_every, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

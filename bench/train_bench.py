@@ -25,11 +25,11 @@ import time
 
 import jax
 
+from bam_configs.presets import preset
 from bam_jax.model import count_params
-from configs.presets import preset
-from train.config import TrainConfig
-from train.data import DataConfig, train_iterator
-from train.loop import build
+from bam_train.config import TrainConfig
+from bam_train.data import DataConfig, train_iterator
+from bam_train.loop import build
 
 
 def bench_configs() -> dict[str, TrainConfig]:

@@ -19,7 +19,7 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
   512 and 1024: 589,824 tokens per optimizer step, 20,000 steps, RAdam with decoupled weight
   decay 0.1, lr 1e-3 cosine-decayed to 1e-4, no warmup, clipping at 1.0, bfloat16 compute,
   validation every 32 steps on the held-out first 3,899,392 tokens (about 3.9M, 119
-  micro-batches), on pre-tokenised FineWeb shards (`python -m train.shards`).
+  micro-batches), on pre-tokenised FineWeb shards (`python -m bam_train.shards`).
 
 This file is also an ml_collections config file: `get_config(name)` returns the preset as a
 ConfigDict whose fields can be overridden with `--config.FIELD=VALUE`.
@@ -33,8 +33,8 @@ from collections.abc import Callable
 from ml_collections import ConfigDict
 
 from bam_jax.config import ModelConfig
-from train.config import MeshConfig, OptimConfig, TrainConfig, to_config_dict
-from train.data import DataConfig
+from bam_train.config import MeshConfig, OptimConfig, TrainConfig, to_config_dict
+from bam_train.data import DataConfig
 
 PAPER_SIZES = ("l6", "l8", "l12", "l15", "l18", "l24")
 PAPER_CONTEXTS = (512, 1024)

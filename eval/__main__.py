@@ -1,7 +1,7 @@
-"""`python -m eval` is `bam-eval`."""
+"""`python -m bam_eval` (and `python -m eval` in a checkout's root) is `bam-eval`."""
 
 import sys
 
-from eval.cli import main
+from bam_eval.cli import main
 
 sys.exit(main())

@@ -11,16 +11,16 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from bam_eval import plots
+from bam_eval.memory import activation_bytes, cache_bytes_per_slot, check_sample_memory
+from bam_eval.models import EvalModel, for_inference, load_eval_model, model_tokenizers
+from bam_eval.passkey import PasskeySettings, evaluate_passkey
+from bam_eval.perplexity import evaluate_perplexity, load_rows
+from bam_eval.prior_inspect import figure_table, head_classes, prior_curves, prior_table
+from bam_eval.results import ResultStore
 from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward, capacity_bucket
 from bam_jax.model import Transformer
-from eval import plots
-from eval.memory import activation_bytes, cache_bytes_per_slot, check_sample_memory
-from eval.models import EvalModel, for_inference, load_eval_model, model_tokenizers
-from eval.passkey import PasskeySettings, evaluate_passkey
-from eval.perplexity import evaluate_perplexity, load_rows
-from eval.prior_inspect import figure_table, head_classes, prior_curves, prior_table
-from eval.results import ResultStore
 
 # What the tables and figures read from each stored entry.
 PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")

@@ -1,4 +1,4 @@
-"""`bam-eval` (also `python -m eval`): passkey retrieval, perplexity by position, priors.
+"""`bam-eval` (also `python -m bam_eval`): passkey retrieval, perplexity by position, priors.
 
   bam-eval passkey RUN [RUN ...] --multiples 1,2,4,8,16,32,64,128,256,500
   bam-eval passkey RUN --lengths 0,1k,2k,4k,8k,16k,32k --samples 20 --sampling random
@@ -20,12 +20,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from bam_eval import api, plots
+from bam_eval.models import EvalModel
+from bam_eval.perplexity import PACKINGS
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_jax.passkey import SAMPLINGS
-from eval import api, plots
-from eval.models import EvalModel
-from eval.perplexity import PACKINGS
 
 
 def parse_count(text: str) -> int:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from bam_eval.memory import check_sample_memory
+from bam_eval.results import ResultStore
 from bam_jax.inference import ChunkedForward, capacity_bucket
 from bam_jax.passkey import (
     PREDICTED_DIGITS,
@@ -26,8 +28,6 @@ from bam_jax.passkey import (
     build_passkey_samples,
     passkey_template,
 )
-from eval.memory import check_sample_memory
-from eval.results import ResultStore
 
 logger = logging.getLogger("bam.eval")
 

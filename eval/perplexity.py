@@ -6,7 +6,7 @@ causal context, never a [T, vocab] array); the next-token loss is averaged per w
 training length.
 
 Data sources:
-- a directory of pre-tokenised shards (``meta.json``, as written by ``python -m train.shards``)
+- a directory of pre-tokenised shards (``meta.json``, as written by ``python -m bam_train.shards``)
   or a ``.npy`` file of token ids;
 - ``.txt`` / ``.jsonl`` files (a file, a directory or a glob);
 - ``hf:NAME[:SUBSET][@SPLIT]`` (a Hugging Face dataset, streamed) or a dataset directory

@@ -1,8 +1,8 @@
 """`bam-quickstart`: train a tiny model on synthetic passkey data at a short context on the
 CPU, then measure passkey retrieval at multiples of the training length up to 500x.
 
-The same code paths as a pod run: `train.loop.train` (grain data, optax, orbax
-checkpoints) and `eval.api.run_passkey`, what `bam-eval passkey` runs (chunked prefill
+The same code paths as a pod run: `bam_train.loop.train` (grain data, optax, orbax
+checkpoints) and `bam_eval.api.run_passkey`, what `bam-eval passkey` runs (chunked prefill
 through the KV cache with blockwise attention). Everything is written under --out: the run
 (checkpoints, metrics.jsonl), the results JSON per model and the figures.
 """
@@ -15,11 +15,11 @@ import sys
 import time
 from collections.abc import Sequence
 
+from bam_configs.presets import preset
+from bam_eval import api
 from bam_jax.logs import log_to_stdout
-from configs.presets import preset
-from eval import api
-from train.config import TrainConfig
-from train.loop import train
+from bam_train.config import TrainConfig
+from bam_train.loop import train
 
 DEFAULT_MULTIPLES = "1,2,4,8,16,32,64,128,256,500"
 COMPARE_ENCODINGS = "nope,rope,alibi,bam,nope_ssmax,rope_ssmax,alibi_ssmax,bam_ssmax"

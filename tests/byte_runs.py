@@ -4,9 +4,9 @@ import json
 
 import numpy as np
 
-from configs.presets import preset
-from train.config import TrainConfig
-from train.data import DataConfig
+from bam_configs.presets import preset
+from bam_train.config import TrainConfig
+from bam_train.data import DataConfig
 
 WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "green", "blue", "sun", "sky")
 

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from bam_jax.io.files import run_path
-from train.metrics import METRICS_FILE
+from bam_train.metrics import METRICS_FILE
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -11,8 +11,8 @@ from bam_jax import passkey
 from bam_jax.io import documents
 from bam_jax.io import shards as shard_readers
 from bam_jax.tokenizers import get_tokenizer
-from train import shards
-from train.data import (
+from bam_train import shards
+from bam_train.data import (
     BatchLayout,
     DataConfig,
     PasskeyRows,

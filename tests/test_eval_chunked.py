@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bam_eval.memory import cache_bytes_per_slot
+from bam_eval.models import for_inference, random_model
 from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward
-from eval.memory import cache_bytes_per_slot
-from eval.models import for_inference, random_model
 
 
 def _model(encoding: str, scan_layers: bool = False):

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from bam_eval import api
+from bam_eval.cli import main, parse_count
+from bam_eval.models import model_tokenizers, parse_model_arg, random_model
 from bam_jax.config import ModelConfig
 from bam_jax.reference_checkpoint import export_reference_checkpoint
-from eval import api
-from eval.cli import main, parse_count
-from eval.models import model_tokenizers, parse_model_arg, random_model
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from bam_eval.cli import build_parser, main
+from bam_eval.models import random_model
+from bam_eval.passkey import PasskeySettings, auto_batch_size, evaluate_passkey
+from bam_eval.results import ResultStore
 from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward
 from bam_jax.reference_checkpoint import export_reference_checkpoint
 from bam_jax.tokenizers import ByteTokenizer
-from eval.cli import build_parser, main
-from eval.models import random_model
-from eval.passkey import PasskeySettings, auto_batch_size, evaluate_passkey
-from eval.results import ResultStore
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
@@ -35,11 +35,11 @@ def run_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """A training workdir with one checkpoint (step 3) of an untrained micro model."""
-    from configs.presets import preset
-    from train.checkpoint import Checkpointer
-    from train.data import DataConfig
-    from train.optim import make_optimizer
-    from train.state import ModelParts, init_state
+    from bam_configs.presets import preset
+    from bam_train.checkpoint import Checkpointer
+    from bam_train.data import DataConfig
+    from bam_train.optim import make_optimizer
+    from bam_train.state import ModelParts, init_state
 
     cfg = preset("micro")
     cfg = cfg.replace(
@@ -203,7 +203,7 @@ def test_a_damaged_checkpoint_prints_no_traceback(workdir, tmp_path) -> None:
     path = _copy(workdir, tmp_path / "run")
     for file in (path / "checkpoints" / "3" / "state" / "d").iterdir():
         file.write_bytes(b"")
-    argv = [sys.executable, "-m", "eval", "prior", str(path), "--out", str(tmp_path / "out")]
+    argv = [sys.executable, "-m", "bam_eval", "prior", str(path), "--out", str(tmp_path / "out")]
     result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr

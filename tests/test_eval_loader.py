@@ -11,12 +11,12 @@ import optax
 import pytest
 from flax import nnx
 
+from bam_configs.presets import preset
 from bam_jax.io.checkpoints import load_model, load_params
-from configs.presets import preset
-from train.checkpoint import Checkpointer
-from train.data import DataConfig
-from train.optim import make_optimizer
-from train.state import ModelParts, init_state
+from bam_train.checkpoint import Checkpointer
+from bam_train.data import DataConfig
+from bam_train.optim import make_optimizer
+from bam_train.state import ModelParts, init_state
 
 
 def _config():

@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bam_jax import inference
-from bam_jax.inference import ChunkedForward, capacity_bucket
-from bam_jax.passkey import passkey_template
-from bam_jax.tokenizers import ByteTokenizer
-from eval.passkey import (
+from bam_eval.passkey import (
     PasskeySettings,
     evaluate_passkey,
     samples_for_length,
     score_samples,
     stack_samples,
 )
-from eval.results import ResultStore
+from bam_eval.results import ResultStore
+from bam_jax import inference
+from bam_jax.inference import ChunkedForward, capacity_bucket
+from bam_jax.passkey import passkey_template
+from bam_jax.tokenizers import ByteTokenizer
 
 VOCAB = 259
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from bam_eval.perplexity import evaluate_perplexity, load_rows
 from bam_jax.tokenizers import ByteTokenizer
-from eval.perplexity import evaluate_perplexity, load_rows
 
 TOKENIZER = ByteTokenizer()
 

@@ -10,20 +10,31 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("bam_jax", "train", "eval", "configs", "quickstart")
+
+
+def _installed_names() -> dict[str, str]:
+    """Folder -> the import name it installs as (pyproject.toml's package-dir)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        package_dir = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    return {"bam_jax": "bam_jax"} | {folder: name for name, folder in package_dir.items()}
+
+
+PACKAGES = _installed_names()
 
 
 def _module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    folder, *parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = [PACKAGES[folder], *parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _project_modules() -> dict[str, pathlib.Path]:
     modules = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+    for folder in PACKAGES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
             modules[_module_name(path)] = path
     return modules
 
@@ -85,7 +96,7 @@ def _import_graph() -> tuple[dict[str, set[str]], list[str]]:
             targets = {_resolve(name, modules) for name in names} - {None, module}
             if in_function:
                 top_levels = {name.split(".")[0] for name in names}
-                if targets or (top_levels & set(PACKAGES)):
+                if targets or (top_levels & set(PACKAGES.values())):
                     hidden.append(f"{module}:{node.lineno} {ast.unparse(node)}")
                 continue
             if isinstance(node, ast.ImportFrom):

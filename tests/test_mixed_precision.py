@@ -25,13 +25,13 @@ import pytest
 from flax import nnx
 from test_reference_checkpoint import CASES, make_run, write_run
 
+from bam_eval import api as eval_api
+from bam_eval import cli as eval_cli
+from bam_eval.models import random_model
 from bam_jax import model as model_module
 from bam_jax.config import ModelConfig
 from bam_jax.model import Transformer, reconfigure
 from bam_jax.reference_checkpoint import export_reference_checkpoint, load_reference_checkpoint
-from eval import api as eval_api
-from eval import cli as eval_cli
-from eval.models import random_model
 
 MAX_ERROR_OVER_STD = 0.03
 MAX_KL = 2e-5

@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.table import Table
 from matplotlib.text import Text
 
-from eval import plots
+from bam_eval import plots
 
 TRAIN_LENGTH = 128
 MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 125, 250, 500)

@@ -9,14 +9,14 @@ import sys
 import numpy as np
 import pytest
 
+from bam_configs.presets import PAPER_CONTEXTS, PAPER_SIZES, TRAINING_PRESETS, preset
 from bam_jax.tokenizers import get_tokenizer
-from configs.presets import PAPER_CONTEXTS, PAPER_SIZES, TRAINING_PRESETS, preset
+from bam_train import loop as train_loop
+from bam_train.config import validate_for_runtime
+from bam_train.data import BatchLayout, DataConfig, val_batches
+from bam_train.loop import build, dry_run, format_dry_run
+from bam_train.shards import write_shards
 from tests.byte_runs import byte_text_config
-from train import loop as train_loop
-from train.config import validate_for_runtime
-from train.data import BatchLayout, DataConfig, val_batches
-from train.loop import build, dry_run, format_dry_run
-from train.shards import write_shards
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_PRESETS = [f"{size}_{context}" for size in PAPER_SIZES for context in PAPER_CONTEXTS]
@@ -104,7 +104,7 @@ def run_dry_run(args: list[str], timeout: int = 1200) -> subprocess.CompletedPro
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": REPO,
     }
-    command = [sys.executable, "-m", "train", "--dry-run", "--config.mesh.data=2"]
+    command = [sys.executable, "-m", "bam_train", "--dry-run", "--config.mesh.data=2"]
     return subprocess.run(
         [*command, "--config.mesh.fsdp=4", *args],
         env=env,

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from quickstart.run import main, quickstart_config
+from bam_quickstart.run import main, quickstart_config
 
 
 def _run(tmp_path, *extra: str) -> str:

@@ -116,7 +116,7 @@ def flag_value(args: list[str], name: str) -> str | None:
 
 def resolve_train_command(args: list[str]):
     """The validated TrainConfig of a bam-train command line (preset, overrides, flags)."""
-    from train.cli import parse_args
+    from bam_train.cli import parse_args
 
     config, _ = parse_args(["bam-train", *args])
     return config
@@ -124,7 +124,7 @@ def resolve_train_command(args: list[str]):
 
 def dry_run_train_command(args: list[str], workdir: Path) -> None:
     """`bam-train ARGS --dry-run`, run in `workdir`: data, mesh, compiled steps, memory."""
-    from train.cli import run
+    from bam_train.cli import run
 
     dry_run_args = args if "--dry-run" in args else [*args, "--dry-run"]
     previous = Path.cwd()
@@ -147,15 +147,15 @@ def check_bam_train(args: list[str]) -> None:
 
 
 def check_bam_eval(args: list[str]) -> None:
-    from eval.cli import build_parser
+    from bam_eval.cli import build_parser
 
     build_parser().parse_args(args)
 
 
 def check_bam_quickstart(args: list[str]) -> None:
     import bam_jax
-    from configs.presets import preset
-    from quickstart.run import build_parser
+    from bam_configs.presets import preset
+    from bam_quickstart.run import build_parser
 
     parsed = build_parser().parse_args(args)
     preset(parsed.preset)
@@ -164,6 +164,11 @@ def check_bam_quickstart(args: list[str]) -> None:
 
 
 def check_pip(args: list[str]) -> None:
+    constraints = flag_value(args, "-c")
+    if constraints is not None:
+        assert (REPO / constraints).is_file(), f"pip: no constraints file {constraints}"
+        at = args.index("-c")
+        args = args[:at] + args[at + 2 :]
     assert args[:2] == ["install", "-e"], f"expected `pip install -e ...`, got {args}"
     target = args[2]
     extras = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", target)
@@ -238,7 +243,7 @@ def test_shell_commands_are_split_as_a_shell_would():
 def test_set_up_is_the_two_commands():
     (set_up, *_) = blocks_of("bash")
     assert shell_commands(set_up.text) == [
-        ["pip", "install", "-e", "."],
+        ["pip", "install", "-e", ".[all]"],
         ["bam-quickstart"],
         ["pip", "install", "-e", ".[test]"],
         ["pytest"],

@@ -11,7 +11,7 @@ from bam_jax.tokenizers import (
     get_tokenizer,
     mistral_model_path,
 )
-from train.data import DataConfig, PasskeyRows
+from bam_train.data import DataConfig, PasskeyRows
 
 TEXT = "The pass key is 12345. Remember it. Ünïcode too."
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from configs.presets import preset
-from train.cli import parse_args, run
+from bam_configs.presets import preset
+from bam_train.cli import parse_args, run
 
 PROG = "bam-train"
 
@@ -77,7 +77,7 @@ def test_python_config_that_does_not_exist(tmp_path, error_of):
 def test_python_config_may_return_a_train_config_and_take_an_argument(tmp_path):
     py = write(
         tmp_path / "my_config.py",
-        "from configs.presets import preset\n"
+        "from bam_configs.presets import preset\n"
         "def get_config(name):\n"
         "    return preset(name).replace(steps=3)\n",
     )

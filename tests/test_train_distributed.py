@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from train import cli
+from bam_train import cli
 
 
 def flags_for(*extra: str):

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from configs.presets import preset
-from train.data import BatchLayout, train_iterator
+from bam_configs.presets import preset
+from bam_train.data import BatchLayout, train_iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVED_STEP, STEPS = 2, 4
@@ -34,7 +34,7 @@ def _train_command(workdir: str, mesh: tuple[int, int, int]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "train",
+        "bam_train",
         "--config=micro",
         f"--workdir={workdir}",
         f"--config.steps={STEPS}",

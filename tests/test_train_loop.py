@@ -15,18 +15,18 @@ import optax
 import pytest
 from flax import nnx
 
+from bam_configs.presets import preset
 from bam_jax.io.checkpoints import load_model
 from bam_jax.model import Transformer
 from bam_jax.tokenizers import get_tokenizer
-from configs.presets import preset
+from bam_train import loop as train_loop
+from bam_train.checkpoint import read_config
+from bam_train.data import DataConfig, PasskeyRows, train_iterator
+from bam_train.loop import NonFiniteLossError, build, dry_run, loss_sums, train
+from bam_train.optim import make_optimizer
+from bam_train.state import ModelParts
 from tests.byte_runs import byte_text_config, write_word_corpus
 from tests.run_metrics import read_metrics
-from train import loop as train_loop
-from train.checkpoint import read_config
-from train.data import DataConfig, PasskeyRows, train_iterator
-from train.loop import NonFiniteLossError, build, dry_run, loss_sums, train
-from train.optim import make_optimizer
-from train.state import ModelParts
 
 STEPS = 12
 

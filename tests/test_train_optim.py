@@ -7,9 +7,9 @@ import optax
 import pytest
 
 from bam_jax.config import ModelConfig
-from train.config import OptimConfig
-from train.optim import learning_rates, make_optimizer, schedule
-from train.state import ModelParts
+from bam_train.config import OptimConfig
+from bam_train.optim import learning_rates, make_optimizer, schedule
+from bam_train.state import ModelParts
 
 
 @pytest.fixture(scope="module")

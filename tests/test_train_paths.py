@@ -15,20 +15,20 @@ import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
 
+from bam_configs.presets import preset
 from bam_jax.io.checkpoints import CheckpointReadError, checkpoint_dir, load_model
 from bam_jax.io.files import run_path
 from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.tokenizers import get_tokenizer
-from configs.presets import preset
+from bam_train import loop
+from bam_train.checkpoint import Checkpointer, read_config
+from bam_train.config import validate_for_runtime
+from bam_train.data import DataConfig
+from bam_train.loop import train
+from bam_train.metrics import MetricsWriter
+from bam_train.shards import write_shards
 from tests.byte_runs import byte_text_config, write_word_corpus
 from tests.run_metrics import read_metrics, records_without_time
-from train import loop
-from train.checkpoint import Checkpointer, read_config
-from train.config import validate_for_runtime
-from train.data import DataConfig
-from train.loop import train
-from train.metrics import MetricsWriter
-from train.shards import write_shards
 
 STEPS = 2
 

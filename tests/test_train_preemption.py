@@ -25,7 +25,7 @@ def _command(workdir: str, steps: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "train",
+        "bam_train",
         "--config=micro",
         f"--workdir={workdir}",
         f"--config.steps={steps}",

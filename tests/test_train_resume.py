@@ -15,14 +15,15 @@ import jax
 import numpy as np
 import pytest
 
+from bam_configs.presets import preset
 from bam_jax.io.checkpoints import error_summary, load_model, quiet_orphaned_checkpoint_reads
+from bam_train import loop
+from bam_train.checkpoint import read_config
+from bam_train.loop import train
+from bam_train.metrics import MetricsWriter
+from bam_train.state import ModelParts
 from tests.byte_runs import byte_text_config, write_word_corpus
 from tests.run_metrics import read_metrics, records_without_time
-from train import loop
-from train.checkpoint import read_config
-from train.loop import train
-from train.metrics import MetricsWriter
-from train.state import ModelParts
 
 STEPS = 4
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from train.config import MeshConfig
-from train.sharding import logical_to_spec, make_mesh
+from bam_train.config import MeshConfig
+from bam_train.sharding import logical_to_spec, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,10 +44,10 @@ def test_single_device_mesh_and_errors():
 EQUIVALENCE = """
 import dataclasses, json, sys
 import jax
-from configs.presets import preset
-from train.config import MeshConfig
-from train.data import train_iterator
-from train.loop import build
+from bam_configs.presets import preset
+from bam_train.config import MeshConfig
+from bam_train.data import train_iterator
+from bam_train.loop import build
 
 cfg = preset("micro").replace(batch_size=8, steps=3)
 cfg = cfg.replace(data=dataclasses.replace(cfg.data, passkey_loss="all"))
@@ -137,7 +137,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "train",
+                "bam_train",
                 *_train_args(multi),
                 f"--coordinator=localhost:{port}",
                 "--num_processes=2",
@@ -155,7 +155,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
     single_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     proc = subprocess.run(
-        [sys.executable, "-m", "train", *_train_args(single)],
+        [sys.executable, "-m", "bam_train", *_train_args(single)],
         env=single_env,
         cwd=REPO,
         capture_output=True,
@@ -168,7 +168,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
     compare = f"""
         import numpy as np, jax
         from bam_jax.io.checkpoints import load_model
-        from train.state import ModelParts
+        from bam_train.state import ModelParts
         params = []
         for workdir in ({multi!r}, {single!r}):
             config, model = load_model(workdir)

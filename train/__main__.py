@@ -1,5 +1,5 @@
-"""`python -m train`: the same as `bam-train`."""
+"""`python -m bam_train` (and `python -m train` in a checkout's root): the same as `bam-train`."""
 
-from train.cli import main
+from bam_train.cli import main
 
 main()

@@ -31,8 +31,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from bam_jax.io.checkpoints import checkpoint_dir, explained_read_errors, read_run_config
-from train.config import TrainConfig
-from train.state import TrainState
+from bam_train.config import TrainConfig
+from bam_train.state import TrainState
 
 preservation = ocp.checkpoint_managers.preservation_policy
 

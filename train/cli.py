@@ -1,4 +1,4 @@
-"""`bam-train` (also `python -m train`): train a BAM model.
+"""`bam-train` (also `python -m bam_train`): train a BAM model.
 
   bam-train --config=tiny --workdir=/tmp/bam-tiny
   bam-train --config=l12_512 --workdir=runs/l12 --config.data.path=DIR --config.steps=5000
@@ -16,7 +16,7 @@ overridden with `--config.FIELD=VALUE`, nested with dots: `--config.model.encodi
 --config.data.path=corpus/`. A workdir that holds checkpoints is resumed from its latest one.
 
 The overrides are ml_collections' config flags on a ConfigDict mirror of the TrainConfig
-(`train.config.to_config_dict`), turned back into a TrainConfig by `TrainConfig.from_dict`;
+(`bam_train.config.to_config_dict`), turned back into a TrainConfig by `TrainConfig.from_dict`;
 `config_flags.DEFINE_config_dataclass` cannot be used directly, since it sets fields in
 place, which the frozen config dataclasses refuse.
 
@@ -42,11 +42,11 @@ import types
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
+from bam_configs.presets import TRAINING_PRESETS, preset
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
-from configs.presets import TRAINING_PRESETS, preset
-from train.config import TrainConfig, describe_type, field_type, to_config_dict
-from train.loop import NonFiniteLossError, build, dry_run, format_dry_run, train
+from bam_train.config import TrainConfig, describe_type, field_type, to_config_dict
+from bam_train.loop import NonFiniteLossError, build, dry_run, format_dry_run, train
 
 DISTRIBUTED_MODES = ("auto", "cluster", "off")
 

@@ -24,7 +24,7 @@ from bam_jax.config import FLOAT32_MAX, ModelConfig
 from bam_jax.io.documents import HF_PREFIX, check_dataset_reader
 from bam_jax.io.shards import local_shard_dir, read_meta
 from bam_jax.tokenizers import get_tokenizer
-from train.data import DataConfig
+from bam_train.data import DataConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 MAX_SEED = 2**31 - 1
@@ -349,7 +349,7 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
     if cfg.data.source != "passkey" and not cfg.data.path:
         raise ValueError(
             f"data.path is required for data.source={cfg.data.source!r} (text files, or shards "
-            "written by `python -m train.shards`)"
+            "written by `python -m bam_train.shards`)"
         )
     data_path = cfg.data.path
     if cfg.data.source == "shards":

@@ -264,7 +264,7 @@ class TokenStreamRows:
         raise ValueError(
             f"{source}: token id {window[offset]} at position {start + offset}, outside the "
             f"vocabulary [0, {self.vocab_size}); the data is damaged or was written with "
-            "another tokenizer: write the shards again with `python -m train.shards`"
+            "another tokenizer: write the shards again with `python -m bam_train.shards`"
         )
 
 

@@ -36,13 +36,13 @@ from bam_jax.io.checkpoints import (
 )
 from bam_jax.io.files import is_url, run_path, write_text_atomically
 from bam_jax.model import count_params
-from train.checkpoint import Checkpointer
-from train.config import TrainConfig, validate_for_runtime
-from train.data import BatchLayout, loss_positions_per_row, train_iterator, val_batches
-from train.metrics import MetricsWriter, device_peak_flops, train_flops_per_token
-from train.optim import learning_rates, make_optimizer
-from train.sharding import batch_sharding, local_rows, make_mesh, replicated
-from train.state import ModelParts, TrainState, init_state, state_shardings
+from bam_train.checkpoint import Checkpointer
+from bam_train.config import TrainConfig, validate_for_runtime
+from bam_train.data import BatchLayout, loss_positions_per_row, train_iterator, val_batches
+from bam_train.metrics import MetricsWriter, device_peak_flops, train_flops_per_token
+from bam_train.optim import learning_rates, make_optimizer
+from bam_train.sharding import batch_sharding, local_rows, make_mesh, replicated
+from bam_train.state import ModelParts, TrainState, init_state, state_shardings
 
 Batch = dict[str, Any]
 

@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from bam_jax.model import PriorParam, SSMaxParam
-from train.config import OptimConfig
+from bam_train.config import OptimConfig
 
 
 def variable_group(variable: nnx.Variable) -> str:

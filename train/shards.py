@@ -4,7 +4,7 @@ are in `bam_jax.io.shards`).
 Write them from a Hugging Face dataset (streamed from the hub, or saved with
 `Dataset.save_to_disk`) or from local .txt/.jsonl files:
 
-  python -m train.shards --dataset=HuggingFaceFW/fineweb --subset=sample-10BT --out=DIR
+  python -m bam_train.shards --dataset=HuggingFaceFW/fineweb --subset=sample-10BT --out=DIR
 
 Shards are memory-mapped, so they are read from a file system: shards in a bucket are read
 from its mount (`gcsfuse --implicit-dirs BUCKET /mnt/BUCKET`, then data.path=/mnt/BUCKET/DIR)
@@ -99,7 +99,7 @@ def _write_one(out_dir: str, index: int, docs: list[np.ndarray]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m train.shards", description="Write pre-tokenised training shards."
+        prog="python -m bam_train.shards", description="Write pre-tokenised training shards."
     )
     parser.add_argument(
         "--dataset",

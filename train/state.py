@@ -18,8 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from bam_jax.config import ModelConfig
 from bam_jax.model import Transformer
-from train.optim import variable_group
-from train.sharding import named_sharding, replicated
+from bam_train.optim import variable_group
+from bam_train.sharding import named_sharding, replicated
 
 PyTree = Any
 

@@ -99,7 +99,7 @@ def _record_text(line: str, where: str, text_key: str) -> str:
     if text_key not in record:
         raise ValueError(
             f"{where}: no field {text_key!r} (fields: {sorted(record)}); set data.text_key "
-            "(--text-key for train.shards) to the field that holds the text"
+            "(--text-key for bam_train.shards) to the field that holds the text"
         )
     text = record[text_key]
     if not isinstance(text, str):

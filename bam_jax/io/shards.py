@@ -1,4 +1,4 @@
-"""Readers of pre-tokenised shard directories (written by `python -m train.shards`).
+"""Readers of pre-tokenised shard directories (written by `python -m bam_train.shards`).
 
   meta.json                 {"format": "bam-jax-shards", "version": 1, "tokenizer": ...,
                              "vocab_size": V, "bos_id": ..., "eos_id": ...,
@@ -154,7 +154,7 @@ def check_token_ids(
     raise ValueError(
         f"{file}: {found}, outside the vocabulary [0, {vocab_size}); the data is damaged "
         "or was written with another tokenizer: write the shards again with "
-        "`python -m train.shards`"
+        "`python -m bam_train.shards`"
     )
 
 
