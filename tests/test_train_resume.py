@@ -15,7 +15,6 @@ import jax
 import numpy as np
 import pytest
 
-from bam_configs.presets import preset
 from bam_jax.io.checkpoints import error_summary, load_model, quiet_orphaned_checkpoint_reads
 from bam_train import loop
 from bam_train.checkpoint import read_config
