@@ -10,6 +10,12 @@ Shape suffixes. Array names end in their shape, letters joined by "x"
     K  key/value heads                 C  chunk length (chunked inference)
     G  query heads per key/value head  M  query block (tile rows)
     D  head dimension                  N  key block (tile columns)
+    R  rotary frequencies (D / 2)      P  positions scored per row
+    X  distances of a prior table      W  windows of a row
+    A  micro-batches of a train step   I  tile batch, B * K (blockwise)
+    J  grouped tile rows, G * M (blockwise)
+
+Digits are literal sizes (`log_n_Bx1xT`, `head_params_Hx8`).
 """
 
 import importlib.metadata

@@ -8,7 +8,7 @@ apart from the inputs, the output and their gradients, memory is a few tiles plu
 O(H (S + T)) for the prior.
 
 The prior depends on the distance d = k_pos - q_pos only. It is evaluated once on
-every distance a tile can hold (a table [H, S + T - 1]); a tile's bq + bk - 1 values
+every distance a tile can hold (a table [H, X], X = S + T - 1); a tile's M + N - 1 values
 are a slice of it, expanded to the tile as a Toeplitz matrix by a strided reshape
 that XLA fuses into the logits. The gradient flows back the same way: sums along the
 tile's diagonals are added into a table gradient, and one VJP of `prior.bias` on
@@ -21,8 +21,9 @@ recomputed from the saved log-sum-exp in one pass over key blocks (outer) and th
 query blocks that see them (inner), accumulating dq in place. The Pallas kernels'
 custom VJP runs the same backward (`flash_backward`) on their output and log-sum-exp.
 
-Tiles are [N, R, *] with N = batch * kv_heads and R = groups * block_q rows, so every
-product is a plain batched matmul and grouped-query heads share their key tile.
+Tiles are [I, J, *] with I = B * K (a tile per batch row and key/value head) and J = G * M
+rows (the query block of every query head sharing that key/value head), so every product
+is a plain batched matmul and grouped-query heads share their key tile.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from bam_jax.priors import Prior
 
 DEFAULT_BLOCK = 256
 _NEG_INF = -jnp.inf
-# dot_general dimension numbers for [N, a, b] operands batched over N.
+# dot_general dimension numbers for [I, a, b] operands batched over I.
 _NT = (((2,), (2,)), ((0,), (0,)))  # x @ y^T
 _NN = (((2,), (1,)), ((0,), (0,)))  # x @ y
 
@@ -239,7 +240,7 @@ def _pad_axis1(x: jax.Array, pad: int, value: int | float) -> jax.Array:
 
 
 def _rows_tile(static: _Static, x_BxTxHxD: jax.Array, start, size: int) -> jax.Array:
-    """float32 [N, G*size, D] tile of a [B, T, H, D] array (rows ordered by group)."""
+    """float32 [I, J, D] tile (J = G * size) of a [B, T, H, D] array (rows ordered by group)."""
     batch, _, _, head_dim = x_BxTxHxD.shape
     tile = lax.dynamic_slice_in_dim(x_BxTxHxD, start, size, axis=1).astype(jnp.float32)
     tile = tile.reshape(batch, size, static.kv_heads, static.groups, head_dim)
@@ -248,16 +249,16 @@ def _rows_tile(static: _Static, x_BxTxHxD: jax.Array, start, size: int) -> jax.A
 
 
 def _keys_tile(x_BxSxKxD: jax.Array, start, size: int) -> jax.Array:
-    """float32 [N, size, D] tile of a [B, S, K, D] array."""
+    """float32 [I, size, D] tile of a [B, S, K, D] array."""
     batch, _, kv_heads, head_dim = x_BxSxKxD.shape
     tile = lax.dynamic_slice_in_dim(x_BxSxKxD, start, size, axis=1).astype(jnp.float32)
     return jnp.transpose(tile, (0, 2, 1, 3)).reshape(batch * kv_heads, size, head_dim)
 
 
-def _rows_to_bthd(static: _Static, x_NxRxD: jax.Array, batch: int) -> jax.Array:
-    """Inverse of `_rows_tile`'s layout change: [N, G*Q, D] -> [B, Q, H, D]."""
-    head_dim = x_NxRxD.shape[-1]
-    x = x_NxRxD.reshape(batch, static.kv_heads, static.groups, -1, head_dim)
+def _rows_to_bthd(static: _Static, x_IxJxD: jax.Array, batch: int) -> jax.Array:
+    """Inverse of `_rows_tile`'s layout change: [I, J, D] -> [B, M, H, D]."""
+    head_dim = x_IxJxD.shape[-1]
+    x = x_IxJxD.reshape(batch, static.kv_heads, static.groups, -1, head_dim)
     x = jnp.transpose(x, (0, 3, 1, 2, 4))
     return x.reshape(batch, x.shape[1], static.kv_heads * static.groups, head_dim)
 
@@ -265,52 +266,52 @@ def _rows_to_bthd(static: _Static, x_NxRxD: jax.Array, batch: int) -> jax.Array:
 # ----------------------------------------------------------------------------- tiles
 
 
-def _tile_mask(static: _Static, q_pos_Q, k_pos_C, q_seg_BxQ, k_seg_BxC) -> jax.Array:
-    """Boolean [B or 1, Q, C]: may query row attend to key column."""
-    if q_seg_BxQ is None:
-        return static.mask.visible(q_pos_Q[None, :, None], k_pos_C[None, None, :])
+def _tile_mask(static: _Static, q_pos_M, k_pos_N, q_seg_BxM, k_seg_BxN) -> jax.Array:
+    """Boolean [B or 1, M, N]: may query row attend to key column."""
+    if q_seg_BxM is None:
+        return static.mask.visible(q_pos_M[None, :, None], k_pos_N[None, None, :])
     return static.mask.visible(
-        q_pos_Q[None, :, None], k_pos_C[None, None, :], q_seg_BxQ[:, :, None], k_seg_BxC[:, None, :]
+        q_pos_M[None, :, None], k_pos_N[None, None, :], q_seg_BxM[:, :, None], k_seg_BxN[:, None, :]
     )
 
 
-def _expand_rows(static: _Static, x_BxQxC: jax.Array, batch: int) -> jax.Array:
-    """[B or 1, Q, C] per-query values -> [N, G*Q, C] (shared by the heads)."""
+def _expand_rows(static: _Static, x_BxMxN: jax.Array, batch: int) -> jax.Array:
+    """[B or 1, M, N] per-query values -> [I, J, N] (shared by the heads)."""
     x = jnp.broadcast_to(
-        x_BxQxC[:, None, None],
-        (batch, static.kv_heads, static.groups, *x_BxQxC.shape[1:]),
+        x_BxMxN[:, None, None],
+        (batch, static.kv_heads, static.groups, *x_BxMxN.shape[1:]),
     )
-    return x.reshape(batch * static.kv_heads, -1, x_BxQxC.shape[-1])
+    return x.reshape(batch * static.kv_heads, -1, x_BxMxN.shape[-1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _toeplitz(vec_HxL: jax.Array, rows: int, cols: int) -> jax.Array:
+def _toeplitz(vec_HxX: jax.Array, rows: int, cols: int) -> jax.Array:
     """out[h, i, j] = vec[h, j - i + rows - 1], by a strided reshape (no gather).
 
-    Broadcasting the (padded) vector to `rows` copies of period P and reading the
-    flat result with row stride P - 1 shifts each row one step to the right. P is a
-    power of two so that the fused index arithmetic is shifts and masks (with P =
+    Broadcasting the (padded) vector to `rows` copies of period p and reading the
+    flat result with row stride p - 1 shifts each row one step to the right. p is a
+    power of two so that the fused index arithmetic is shifts and masks (with p =
     rows + cols - 1 the integer division makes the prior cost 2.5x the attention).
     """
-    heads, length = vec_HxL.shape
+    heads, length = vec_HxX.shape
     period = _power_of_two_at_least(max(length, cols + 1))
-    vec_HxP = jnp.pad(vec_HxL, ((0, 0), (0, period - length)))
-    flat = jnp.broadcast_to(vec_HxP[:, None, :], (heads, rows, period)).reshape(heads, -1)
+    padded_HxX = jnp.pad(vec_HxX, ((0, 0), (0, period - length)))
+    flat = jnp.broadcast_to(padded_HxX[:, None, :], (heads, rows, period)).reshape(heads, -1)
     flat = flat[:, rows - 1 : rows - 1 + rows * (period - 1)]
     return flat.reshape(heads, rows, period - 1)[:, :, :cols]
 
 
-def _diagonal_sums(x_HxQxC: jax.Array) -> jax.Array:
-    """Transpose of `_toeplitz`: g[h, r] = sum_i x[h, i, r - (Q - 1) + i], [H, Q + C - 1].
+def _diagonal_sums(x_HxMxN: jax.Array) -> jax.Array:
+    """Transpose of `_toeplitz`: g[h, r] = sum_i x[h, i, r - (M - 1) + i], [H, M + N - 1].
 
-    Row i is placed at column offset Q - 1 in a row of width W (a power of two); read
-    back with row stride W + 1, each diagonal becomes a column, summed over rows.
-    Autodiff's transpose of the expansion divides by P - 1 instead and is 10x slower.
+    Row i is placed at column offset M - 1 in a row of width w (a power of two); read
+    back with row stride w + 1, each diagonal becomes a column, summed over rows.
+    Autodiff's transpose of the expansion divides by p - 1 instead and is 10x slower.
     """
-    heads, rows, cols = x_HxQxC.shape
+    heads, rows, cols = x_HxMxN.shape
     length = rows + cols - 1
     width = _power_of_two_at_least(length)
-    x = jnp.pad(x_HxQxC, ((0, 0), (0, 0), (rows - 1, width - length)))
+    x = jnp.pad(x_HxMxN, ((0, 0), (0, 0), (rows - 1, width - length)))
     flat = jnp.pad(x.reshape(heads, rows * width), ((0, 0), (0, rows)))
     return flat.reshape(heads, rows, width + 1).sum(axis=1)[:, :length]
 
@@ -326,7 +327,7 @@ _toeplitz.defvjp(
 
 
 def _table_distances(static: _Static, kv_len_padded: int, offset) -> jax.Array:
-    """Every distance k_pos - q_pos a tile can hold, ascending, float32 [S + T - 1].
+    """Every distance k_pos - q_pos a tile can hold, ascending, float32 [X], X = S + T - 1.
 
     Entry t is the distance t - (T - 1) - offset, so the tile of (q_start, k_start)
     starts at entry `_table_start` whatever the offset is.
@@ -340,51 +341,51 @@ def _table_start(static: _Static, q_start, k_start) -> jax.Array:
     return k_start - q_start + static.q_len_padded - static.block_q
 
 
-def _bias_vector(static: _Static, bias_table_HxL, q_start, k_start) -> jax.Array:
-    """The bq + bk - 1 prior values of a tile, [H, bq + bk - 1]."""
+def _bias_vector(static: _Static, bias_table_HxX, q_start, k_start) -> jax.Array:
+    """The M + N - 1 prior values of a tile, [H, M + N - 1]."""
     length = static.block_q + static.block_k - 1
     start = _table_start(static, q_start, k_start)
-    return lax.dynamic_slice_in_dim(bias_table_HxL, start, length, axis=1)
+    return lax.dynamic_slice_in_dim(bias_table_HxX, start, length, axis=1)
 
 
-def _tile_bias(static: _Static, bias_vec_HxL: jax.Array, batch: int) -> jax.Array:
-    """Prior bias of one tile, [N, G*bq, bk]."""
-    bias_HxQxC = _toeplitz(bias_vec_HxL, static.block_q, static.block_k)
-    bias = bias_HxQxC.reshape(1, static.kv_heads, static.groups * static.block_q, -1)
+def _tile_bias(static: _Static, bias_vec_HxX: jax.Array, batch: int) -> jax.Array:
+    """Prior bias of one tile, [I, J, N]."""
+    bias_HxMxN = _toeplitz(bias_vec_HxX, static.block_q, static.block_k)
+    bias = bias_HxMxN.reshape(1, static.kv_heads, static.groups * static.block_q, -1)
     bias = jnp.broadcast_to(bias, (batch, *bias.shape[1:]))
     return bias.reshape(batch * static.kv_heads, static.groups * static.block_q, -1)
 
 
-def _tile_bias_transposed(static: _Static, bias_vec_HxL: jax.Array) -> jax.Array:
-    """Prior bias of one tile with keys as rows, [K, bk, G*bq] (not broadcast over batch)."""
+def _tile_bias_transposed(static: _Static, bias_vec_HxX: jax.Array) -> jax.Array:
+    """Prior bias of one tile with keys as rows, [K, N, J] (not broadcast over batch)."""
     # out[j, i] = vec[j - i + bq - 1] = reversed_vec[i - j + bk - 1]
-    bias_HxCxQ = _toeplitz(bias_vec_HxL[:, ::-1], static.block_k, static.block_q)
-    bias = bias_HxCxQ.reshape(static.kv_heads, static.groups, static.block_k, static.block_q)
+    bias_HxNxM = _toeplitz(bias_vec_HxX[:, ::-1], static.block_k, static.block_q)
+    bias = bias_HxNxM.reshape(static.kv_heads, static.groups, static.block_k, static.block_q)
     return jnp.transpose(bias, (0, 2, 1, 3)).reshape(static.kv_heads, static.block_k, -1)
 
 
 def _tile_logits(
     static: _Static,
-    q_NxRxD: jax.Array,
-    k_NxCxD: jax.Array,
+    q_IxJxD: jax.Array,
+    k_IxNxD: jax.Array,
     bias_table: jax.Array | None,
     scale_KxG: jax.Array | None,
     log_n_BxT: jax.Array | None,
     q_start: jax.Array,
     k_start: jax.Array,
 ) -> jax.Array:
-    """Unmasked float32 logits [N, R, C] of one tile."""
-    batch = q_NxRxD.shape[0] // static.kv_heads
-    logits = lax.dot_general(q_NxRxD, k_NxCxD, _NT) / jnp.float32(math.sqrt(q_NxRxD.shape[-1]))
+    """Unmasked float32 logits [I, J, N] of one tile."""
+    batch = q_IxJxD.shape[0] // static.kv_heads
+    logits = lax.dot_general(q_IxJxD, k_IxNxD, _NT) / jnp.float32(math.sqrt(q_IxJxD.shape[-1]))
     bias = None
     if bias_table is not None:
         bias_vec = _bias_vector(static, bias_table, q_start, k_start)
         bias = _tile_bias(static, bias_vec, batch)
     if scale_KxG is not None:
-        factor_NxRx1 = _ssmax_factor(static, scale_KxG, log_n_BxT, q_start, batch)[..., None]
+        factor_IxJx1 = _ssmax_factor(static, scale_KxG, log_n_BxT, q_start, batch)[..., None]
         if bias is not None and static.prior_inside:
-            return (logits + bias) * factor_NxRx1
-        logits = logits * factor_NxRx1
+            return (logits + bias) * factor_IxJx1
+        logits = logits * factor_IxJx1
     return logits if bias is None else logits + bias
 
 
@@ -450,7 +451,7 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
 
 
 def _backward(static: _Static, residuals, d_out):
-    """FlashAttention-2 backward over tiles held transposed ([N, keys, rows]).
+    """FlashAttention-2 backward over tiles held transposed ([I, N, J], keys as rows).
 
     With keys as rows all five products are x @ y or x @ y^T, which XLA's CPU
     backend runs about 3x faster than the x^T @ y form the row layout needs.
@@ -539,48 +540,49 @@ def _backward(static: _Static, residuals, d_out):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_table, d_scale
 
 
-def _add_to_table(static: _Static, table_HxL, vec_HxV, q_start, k_start) -> jax.Array:
+def _add_to_table(static: _Static, table_HxX, vec_HxX, q_start, k_start) -> jax.Array:
     start = _table_start(static, q_start, k_start)
-    old = lax.dynamic_slice_in_dim(table_HxL, start, vec_HxV.shape[1], axis=1)
-    return lax.dynamic_update_slice_in_dim(table_HxL, old + vec_HxV, start, axis=1)
+    old = lax.dynamic_slice_in_dim(table_HxX, start, vec_HxX.shape[1], axis=1)
+    return lax.dynamic_update_slice_in_dim(table_HxX, old + vec_HxX, start, axis=1)
 
 
 def _row_stats(static: _Static, x_BxHxT: jax.Array, start, size: int) -> jax.Array:
-    """[N, G*size] tile of per-row values stored as [B, H, T] (H = K*G, K major)."""
+    """[I, J] tile (J = G * size) of per-row values stored as [B, H, T] (H = K*G, K major)."""
     tile = lax.dynamic_slice_in_dim(x_BxHxT, start, size, axis=2)
     return tile.reshape(tile.shape[0] * static.kv_heads, -1)
 
 
-def _split_batch(static: _Static, x_NxAxB: jax.Array) -> jax.Array:
-    return x_NxAxB.reshape(-1, static.kv_heads, *x_NxAxB.shape[1:])
+def _split_batch(static: _Static, tile: jax.Array) -> jax.Array:
+    """[I, ...] -> [B, K, ...]."""
+    return tile.reshape(-1, static.kv_heads, *tile.shape[1:])
 
 
 def _ssmax_factor(static: _Static, scale_KxG, log_n_BxT, q_start, batch: int) -> jax.Array:
-    """s_h * log(n_i) of a query block's rows as [N, G*bq]."""
-    log_n_BxQ = lax.dynamic_slice_in_dim(log_n_BxT, q_start, static.block_q, axis=1)
-    factor = scale_KxG[None, :, :, None] * log_n_BxQ[:, None, None, :]
+    """s_h * log(n_i) of a query block's rows as [I, J]."""
+    log_n_BxM = lax.dynamic_slice_in_dim(log_n_BxT, q_start, static.block_q, axis=1)
+    factor = scale_KxG[None, :, :, None] * log_n_BxM[:, None, None, :]
     factor = jnp.broadcast_to(factor, (batch, *factor.shape[1:]))
     return factor.reshape(batch * static.kv_heads, -1)
 
 
 def _query_rows(static: _Static, x_BxT: jax.Array, q_start, batch: int) -> jax.Array:
-    """A query block's per-query values [B or 1, T] laid out as rows, [N, G*bq]."""
-    x_BxQ = lax.dynamic_slice_in_dim(x_BxT, q_start, static.block_q, axis=1)
+    """A query block's per-query values [B or 1, T] laid out as rows, [I, J]."""
+    x_BxM = lax.dynamic_slice_in_dim(x_BxT, q_start, static.block_q, axis=1)
     x = jnp.broadcast_to(
-        x_BxQ[:, None, None, :], (batch, static.kv_heads, static.groups, static.block_q)
+        x_BxM[:, None, None, :], (batch, static.kv_heads, static.groups, static.block_q)
     )
     return x.reshape(batch * static.kv_heads, -1)
 
 
-def _ssmax_scale_grad(static, d_factor_NxR, log_n, q_start) -> jax.Array:
+def _ssmax_scale_grad(static, d_factor_IxJ, log_n, q_start) -> jax.Array:
     """d loss / d scale [K, G] from d loss / d factor of a tile's rows."""
-    log_n_BxQ = lax.dynamic_slice_in_dim(log_n, q_start, static.block_q, axis=1)
-    d_factor = d_factor_NxR.reshape(-1, static.kv_heads, static.groups, static.block_q)
-    return jnp.sum(d_factor * log_n_BxQ[:, None, None, :], axis=(0, 3))
+    log_n_BxM = lax.dynamic_slice_in_dim(log_n, q_start, static.block_q, axis=1)
+    d_factor = d_factor_IxJ.reshape(-1, static.kv_heads, static.groups, static.block_q)
+    return jnp.sum(d_factor * log_n_BxM[:, None, None, :], axis=(0, 3))
 
 
 def _combine_transposed(static: _Static, scores_t, bias_t, factor_row):
-    """Logits [N, C, R] from scores, bias [K, C, R] and SSMax factor [N, 1, R], in the
+    """Logits [I, N, J] from scores, bias [K, N, J] and SSMax factor [I, 1, J], in the
     forward's order of operations; also returns what the factor multiplies."""
 
     def add_bias(x):
@@ -596,17 +598,17 @@ def _combine_transposed(static: _Static, scores_t, bias_t, factor_row):
     return scores_t, add_bias(scores_t * factor_row)
 
 
-def _expand_transposed(static: _Static, mask_BxQxC: jax.Array, batch: int) -> jax.Array:
-    """[B or 1, Q, C] mask -> [N, C, G*Q] (keys as rows)."""
-    mask_t = jnp.swapaxes(mask_BxQxC, 1, 2)[:, None, :, None, :]
+def _expand_transposed(static: _Static, mask_BxMxN: jax.Array, batch: int) -> jax.Array:
+    """[B or 1, M, N] mask -> [I, N, J] (keys as rows)."""
+    mask_t = jnp.swapaxes(mask_BxMxN, 1, 2)[:, None, :, None, :]
     shape = (batch, static.kv_heads, mask_t.shape[2], static.groups, mask_t.shape[4])
     return jnp.broadcast_to(mask_t, shape).reshape(batch * static.kv_heads, shape[2], -1)
 
 
-def _key_blocks_to_bskd(x_MxNxCxD: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Stacked key-block tiles [S/C, B*K, C, D] -> [B, S, K, D]."""
+def _key_blocks_to_bskd(key_blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Stacked key-block tiles [S / N, I, N, D] -> [B, S, K, D]."""
     batch, _, kv_heads, head_dim = shape
-    x = x_MxNxCxD.reshape(x_MxNxCxD.shape[0], batch, kv_heads, -1, head_dim)
+    x = key_blocks.reshape(key_blocks.shape[0], batch, kv_heads, -1, head_dim)
     return jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(shape)
 
 

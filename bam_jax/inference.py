@@ -17,7 +17,7 @@ length ** 2. Two jitted steps serve every (batch, chunk, capacity) shape:
 
 - advance: runs a chunk and keeps only the cache; its logits are dead code that XLA drops,
   so chunks with nothing to score skip the output projection entirely;
-- gather: runs a chunk and returns the logits at a few requested positions only ([B, K, V];
+- gather: runs a chunk and returns the logits at a few requested positions only ([B, P, V];
   a model with `hidden_states` / `logits` projects only those positions), never [T, vocab].
 
 `prefill` and `decode_step` are such forwards scoring their last position; the scoring
@@ -87,17 +87,17 @@ def _gather(
     state: nnx.State,
     cache: Any,
     tokens_BxC: jax.Array,
-    positions_BxK: jax.Array,
+    positions_BxP: jax.Array,
 ) -> tuple[Any, jax.Array]:
     model = nnx.merge(graphdef, state)
-    index_BxKx1 = jnp.clip(positions_BxK, 0, tokens_BxC.shape[1] - 1)[..., None]
+    index_BxPx1 = jnp.clip(positions_BxP, 0, tokens_BxC.shape[1] - 1)[..., None]
     if hasattr(model, "hidden_states"):  # project only the scored positions
         hidden_BxCxE, cache = model.hidden_states(tokens_BxC, cache=cache)
-        picked_BxKxE = jnp.take_along_axis(hidden_BxCxE, index_BxKx1, axis=1)
-        return cache, model.logits(picked_BxKxE).astype(jnp.float32)
+        picked_BxPxE = jnp.take_along_axis(hidden_BxCxE, index_BxPx1, axis=1)
+        return cache, model.logits(picked_BxPxE).astype(jnp.float32)
     logits_BxCxV, cache = model(tokens_BxC, cache=cache)
-    picked_BxKxV = jnp.take_along_axis(logits_BxCxV, index_BxKx1, axis=1)
-    return cache, picked_BxKxV.astype(jnp.float32)
+    picked_BxPxV = jnp.take_along_axis(logits_BxCxV, index_BxPx1, axis=1)
+    return cache, picked_BxPxV.astype(jnp.float32)
 
 
 @functools.partial(jax.jit, donate_argnums=2)
@@ -161,39 +161,39 @@ class ChunkedForward:
         return padded_BxT.reshape(batch, n_chunks, self.chunk_size).transpose(1, 0, 2)
 
     def run(
-        self, tokens_BxT: np.ndarray, cache: Any, positions_BxK: np.ndarray
+        self, tokens_BxT: np.ndarray, cache: Any, positions_BxP: np.ndarray
     ) -> tuple[np.ndarray, Any]:
         """Runs the tokens through ``cache`` (which is donated); returns the float32 logits
-        [B, K, V] at the given positions of each row and the new cache, whose length has
+        [B, P, V] at the given positions of each row and the new cache, whose length has
         grown by whole chunks. Chunks holding no requested position only fill the cache."""
-        positions_BxK = np.asarray(positions_BxK, np.int32)
-        if positions_BxK.ndim != 2 or positions_BxK.shape[0] != np.shape(tokens_BxT)[0]:
-            raise ValueError(f"positions_BxK must be [batch, K], got {positions_BxK.shape}")
-        if positions_BxK.min() < 0 or positions_BxK.max() >= np.shape(tokens_BxT)[1]:
-            raise ValueError("positions_BxK must lie inside the sequences")
+        positions_BxP = np.asarray(positions_BxP, np.int32)
+        if positions_BxP.ndim != 2 or positions_BxP.shape[0] != np.shape(tokens_BxT)[0]:
+            raise ValueError(f"positions_BxP must be [batch, P], got {positions_BxP.shape}")
+        if positions_BxP.min() < 0 or positions_BxP.max() >= np.shape(tokens_BxT)[1]:
+            raise ValueError("positions_BxP must lie inside the sequences")
         chunks = self._padded_chunks(tokens_BxT)
-        wanted_chunks = set((positions_BxK // self.chunk_size).ravel().tolist())
-        out_BxKxV = None
+        wanted_chunks = set((positions_BxP // self.chunk_size).ravel().tolist())
+        out_BxPxV = None
         for i, chunk_BxC in enumerate(chunks):
             if i not in wanted_chunks:
                 cache = _advance(self.graphdef, self.state, cache, chunk_BxC)
                 continue
-            local_BxK = positions_BxK - i * self.chunk_size
-            cache, picked_BxKxV = _gather(self.graphdef, self.state, cache, chunk_BxC, local_BxK)
-            picked_BxKxV = np.asarray(picked_BxKxV)
-            if out_BxKxV is None:
-                out_BxKxV = np.zeros_like(picked_BxKxV)
-            inside_BxK = (local_BxK >= 0) & (local_BxK < self.chunk_size)
-            out_BxKxV[inside_BxK] = picked_BxKxV[inside_BxK]
-        assert out_BxKxV is not None
-        return out_BxKxV, cache
+            local_BxP = positions_BxP - i * self.chunk_size
+            cache, picked_BxPxV = _gather(self.graphdef, self.state, cache, chunk_BxC, local_BxP)
+            picked_BxPxV = np.asarray(picked_BxPxV)
+            if out_BxPxV is None:
+                out_BxPxV = np.zeros_like(picked_BxPxV)
+            inside_BxP = (local_BxP >= 0) & (local_BxP < self.chunk_size)
+            out_BxPxV[inside_BxP] = picked_BxPxV[inside_BxP]
+        assert out_BxPxV is not None
+        return out_BxPxV, cache
 
-    def logits_at(self, tokens_BxT: np.ndarray, positions_BxK: np.ndarray) -> np.ndarray:
-        """Logits float32 [B, K, V] at the given positions of each row (right-padded rows),
+    def logits_at(self, tokens_BxT: np.ndarray, positions_BxP: np.ndarray) -> np.ndarray:
+        """Logits float32 [B, P, V] at the given positions of each row (right-padded rows),
         through a fresh cache of ``capacity_for`` slots."""
         batch, length = np.shape(tokens_BxT)
         cache = self.cache_factory(batch, self.capacity_for(length))
-        return self.run(tokens_BxT, cache, positions_BxK)[0]
+        return self.run(tokens_BxT, cache, positions_BxP)[0]
 
     def next_token_loss(self, tokens_BxT: np.ndarray) -> np.ndarray:
         """Loss float32 [B, T - 1] of predicting token t + 1 from tokens 0..t."""
@@ -299,15 +299,15 @@ def _decode_loop(
     batch = logits_BxV.shape[0]
 
     def body(i, carry):
-        logits_BxV, cache, out_BxN = carry
+        logits_BxV, cache, out_BxT = carry
         token_B = sample_token(logits_BxV, jax.random.fold_in(key, i), temperature)
-        out_BxN = out_BxN.at[:, i].set(token_B)
+        out_BxT = out_BxT.at[:, i].set(token_B)
         logits_Bx1xV, cache = model(token_B[:, None], cache=cache)
-        return logits_Bx1xV[:, 0], cache, out_BxN
+        return logits_Bx1xV[:, 0], cache, out_BxT
 
-    out_BxN = jnp.zeros((batch, max_new_tokens), jnp.int32)
-    _, _, out_BxN = jax.lax.fori_loop(0, max_new_tokens, body, (logits_BxV, cache, out_BxN))
-    return out_BxN
+    out_BxT = jnp.zeros((batch, max_new_tokens), jnp.int32)
+    _, _, out_BxT = jax.lax.fori_loop(0, max_new_tokens, body, (logits_BxV, cache, out_BxT))
+    return out_BxT
 
 
 def generate(
@@ -319,7 +319,8 @@ def generate(
     key: jax.Array | None = None,
     chunk_size: int = 512,
 ) -> jax.Array:
-    """Continues every prompt by `max_new_tokens` tokens; returns only the new ones [B, N].
+    """Continues every prompt by `max_new_tokens` tokens; returns only the new ones, [B, T]
+    with T = max_new_tokens.
 
     temperature 0 is greedy decoding; otherwise tokens are sampled (a `key` is required).
     The prompt is prefilled in chunks, then a compiled loop decodes one token at a time.

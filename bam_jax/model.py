@@ -103,8 +103,8 @@ class RMSNorm(nnx.Module):
             jnp.ones((dim,), jnp.float32), out_sharding=("norm",), eager_sharding=False
         )
 
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        x = x_BxTxD.astype(jnp.float32)
+    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
+        x = x_BxTxE.astype(jnp.float32)
         normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         return (normed * self.weight[...].astype(jnp.float32)).astype(self.dtype)
 
@@ -135,7 +135,7 @@ class AttentionPrior(nnx.Module):
 class Attention(nnx.Module):
     """Multi-head (or grouped-query) attention with the configured positional encoding.
 
-    Standalone use: `attention(x_BxTxD, segment_ids_BxT=None)`. For a BAM model with a
+    Standalone use: `attention(x_BxTxE, segment_ids_BxT=None)`. For a BAM model with a
     global prior the prior is passed in by the Transformer (`prior=`).
     """
 
@@ -160,34 +160,34 @@ class Attention(nnx.Module):
 
     def __call__(
         self,
-        x_BxTxD: jax.Array,
+        x_BxTxE: jax.Array,
         segment_ids_BxT: jax.Array | None = None,
         *,
         prior: Prior | None = None,
         kv: KV | None = None,
         cache_length: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KV]:
-        """Output [B, T, D]; with `kv` (the layer's cache buffers) also the updated buffers."""
+        """Output [B, T, E]; with `kv` (the layer's cache buffers) also the updated buffers."""
         cfg = self.config
-        batch, length, _ = x_BxTxD.shape
-        q_BxTxHxK = self.wq(x_BxTxD).reshape(batch, length, cfg.n_heads, cfg.head_dim)
-        k_BxTxGxK = self.wk(x_BxTxD).reshape(batch, length, cfg.kv_heads, cfg.head_dim)
-        v_BxTxGxK = self.wv(x_BxTxD).reshape(batch, length, cfg.kv_heads, cfg.head_dim)
+        batch, length, _ = x_BxTxE.shape
+        q_BxTxHxD = self.wq(x_BxTxE).reshape(batch, length, cfg.n_heads, cfg.head_dim)
+        k_BxTxKxD = self.wk(x_BxTxE).reshape(batch, length, cfg.kv_heads, cfg.head_dim)
+        v_BxTxKxD = self.wv(x_BxTxE).reshape(batch, length, cfg.kv_heads, cfg.head_dim)
         offset = jnp.int32(0) if cache_length is None else cache_length
         if cfg.base_encoding in ("rope", "rope_local"):
             positions_T = offset + jnp.arange(length, dtype=jnp.int32)
-            q_BxTxHxK = apply_rope(q_BxTxHxK, positions_T, theta=cfg.rope_theta)
-            k_BxTxGxK = apply_rope(k_BxTxGxK, positions_T, theta=cfg.rope_theta)
+            q_BxTxHxD = apply_rope(q_BxTxHxD, positions_T, theta=cfg.rope_theta)
+            k_BxTxKxD = apply_rope(k_BxTxKxD, positions_T, theta=cfg.rope_theta)
         if kv is not None:
             start = (0, offset, 0, 0)
-            keys = jax.lax.dynamic_update_slice(kv[0], k_BxTxGxK.astype(kv[0].dtype), start)
-            values = jax.lax.dynamic_update_slice(kv[1], v_BxTxGxK.astype(kv[1].dtype), start)
+            keys = jax.lax.dynamic_update_slice(kv[0], k_BxTxKxD.astype(kv[0].dtype), start)
+            values = jax.lax.dynamic_update_slice(kv[1], v_BxTxKxD.astype(kv[1].dtype), start)
         else:
-            keys, values = k_BxTxGxK, v_BxTxGxK
-        out_BxTxHxK = dot_product_attention(
-            q_BxTxHxK,
-            keys.astype(q_BxTxHxK.dtype),
-            values.astype(q_BxTxHxK.dtype),
+            keys, values = k_BxTxKxD, v_BxTxKxD
+        out_BxTxHxD = dot_product_attention(
+            q_BxTxHxD,
+            keys.astype(q_BxTxHxD.dtype),
+            values.astype(q_BxTxHxD.dtype),
             prior=self._prior(prior),
             ssmax_scale_H=None if self.seq_scale is None else self.seq_scale[...],
             # The SSMax baselines scale only the content term; ALiBi's bias comes after.
@@ -201,8 +201,8 @@ class Attention(nnx.Module):
             block_q=cfg.block_q,
             block_k=cfg.block_k,
         )
-        out_BxTxD = self.wo(out_BxTxHxK.reshape(batch, length, cfg.n_heads * cfg.head_dim))
-        return out_BxTxD if kv is None else (out_BxTxD, (keys, values))
+        out_BxTxE = self.wo(out_BxTxHxD.reshape(batch, length, cfg.n_heads * cfg.head_dim))
+        return out_BxTxE if kv is None else (out_BxTxE, (keys, values))
 
     def _prior(self, prior: Prior | None) -> Prior | None:
         base = self.config.base_encoding
@@ -226,8 +226,8 @@ class FeedForward(nnx.Module):
         self.w2 = _linear(hidden, config.dim, ("mlp", "embed"), config, rngs, float32_result=True)
         self.w3 = _linear(config.dim, hidden, ("embed", "mlp"), config, rngs)
 
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        return self.w2(jax.nn.silu(self.w1(x_BxTxD)) * self.w3(x_BxTxD))
+    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
+        return self.w2(jax.nn.silu(self.w1(x_BxTxE)) * self.w3(x_BxTxE))
 
 
 class TransformerBlock(nnx.Module):
@@ -242,14 +242,14 @@ class TransformerBlock(nnx.Module):
 
     def __call__(
         self,
-        x_BxTxD: jax.Array,
+        x_BxTxE: jax.Array,
         segment_ids_BxT: jax.Array | None,
         prior: Prior | None,
         kv: KV | None,
         cache_length: jax.Array | None,
     ) -> tuple[jax.Array, KV | None]:
         attended = self.attention(
-            self.attention_norm(x_BxTxD),
+            self.attention_norm(x_BxTxE),
             segment_ids_BxT=segment_ids_BxT,
             prior=prior,
             kv=kv,
@@ -257,19 +257,19 @@ class TransformerBlock(nnx.Module):
         )
         if kv is not None:
             attended, kv = attended
-        h_BxTxD = x_BxTxD + attended
-        return h_BxTxD + self.feed_forward(self.ffn_norm(h_BxTxD)), kv
+        h_BxTxE = x_BxTxE + attended
+        return h_BxTxE + self.feed_forward(self.ffn_norm(h_BxTxE)), kv
 
 
 def _apply_block(
     block: TransformerBlock,
-    x_BxTxD: jax.Array,
+    x_BxTxE: jax.Array,
     segment_ids_BxT: jax.Array | None,
     prior: Prior | None,
     kv: KV | None,
     cache_length: jax.Array | None,
 ) -> tuple[jax.Array, KV | None]:
-    return block(x_BxTxD, segment_ids_BxT, prior, kv, cache_length)
+    return block(x_BxTxE, segment_ids_BxT, prior, kv, cache_length)
 
 
 def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> TransformerBlock:
@@ -339,12 +339,12 @@ class Transformer(nnx.Module):
         hidden = self.hidden_states(tokens_BxT, segment_ids_BxT, cache=cache, num_valid=num_valid)
         if cache is None:
             return self.logits(hidden)
-        hidden_BxTxD, new_cache = hidden
-        return self.logits(hidden_BxTxD), new_cache
+        hidden_BxTxE, new_cache = hidden
+        return self.logits(hidden_BxTxE), new_cache
 
-    def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
+    def logits(self, hidden_BxTxE: jax.Array) -> jax.Array:
         """float32 logits from final hidden states (any leading shape)."""
-        return self.output(hidden_BxTxD).astype(jnp.float32)
+        return self.output(hidden_BxTxE).astype(jnp.float32)
 
     def hidden_states(
         self,
@@ -354,7 +354,7 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         num_valid: int | jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
-        """The final-normed hidden states [B, T, D] (and the new cache): the forward pass
+        """The final-normed hidden states [B, T, E] (and the new cache): the forward pass
         without the output projection, for callers that need logits at a few positions."""
         cfg = self.config
         if tokens_BxT.ndim != 2:
@@ -370,57 +370,57 @@ class Transformer(nnx.Module):
         length = tokens_BxT.shape[1]
         offset = None if cache is None else cache.length
 
-        h_BxTxD = self.tok_embeddings(tokens_BxT)
+        h_BxTxE = self.tok_embeddings(tokens_BxT)
         if cfg.base_encoding == "sinusoidal":
             positions_T = jnp.arange(length, dtype=jnp.int32)
             if offset is not None:
                 positions_T = positions_T + offset
-            h_BxTxD = h_BxTxD + sinusoidal_embedding(
+            h_BxTxE = h_BxTxE + sinusoidal_embedding(
                 positions_T, cfg.dim, theta=cfg.sinusoidal_theta
             )
         prior = None if self.prior is None else self.prior()
 
         if cfg.scan_layers:
-            h_BxTxD, kv = self._scan_layers(h_BxTxD, segment_ids_BxT, prior, cache)
+            h_BxTxE, kv = self._scan_layers(h_BxTxE, segment_ids_BxT, prior, cache)
         else:
-            h_BxTxD, kv = self._unrolled_layers(h_BxTxD, segment_ids_BxT, prior, cache)
-        h_BxTxD = self.norm(h_BxTxD)
+            h_BxTxE, kv = self._unrolled_layers(h_BxTxE, segment_ids_BxT, prior, cache)
+        h_BxTxE = self.norm(h_BxTxE)
         if cache is None:
-            return h_BxTxD
+            return h_BxTxE
         added = length if num_valid is None else num_valid
-        return h_BxTxD, KVCache(keys=kv[0], values=kv[1], length=cache.length + added)
+        return h_BxTxE, KVCache(keys=kv[0], values=kv[1], length=cache.length + added)
 
     def _block_fn(self) -> Callable:
         return nnx.remat(_apply_block) if self.config.remat else _apply_block
 
-    def _unrolled_layers(self, h_BxTxD, segment_ids_BxT, prior, cache):
+    def _unrolled_layers(self, h_BxTxE, segment_ids_BxT, prior, cache):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         keys, values = [], []
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
-            h_BxTxD, kv = apply(block, h_BxTxD, segment_ids_BxT, prior, kv, offset)
+            h_BxTxE, kv = apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset)
             if kv is not None:
                 keys.append(kv[0])
                 values.append(kv[1])
         if cache is None:
-            return h_BxTxD, None
-        return h_BxTxD, (tuple(keys), tuple(values))
+            return h_BxTxE, None
+        return h_BxTxE, (tuple(keys), tuple(values))
 
-    def _scan_layers(self, h_BxTxD, segment_ids_BxT, prior, cache):
+    def _scan_layers(self, h_BxTxE, segment_ids_BxT, prior, cache):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         # The scan reads and writes stacked [L, ...] buffers: a copy of the cache per call.
         kv = None if cache is None else (jnp.stack(cache.keys), jnp.stack(cache.values))
 
         @nnx.scan(in_axes=(0, nnx.Carry, None, None, 0, None), out_axes=(nnx.Carry, 0))
-        def run(block, h_BxTxD, segment_ids_BxT, prior, kv, offset):
-            return apply(block, h_BxTxD, segment_ids_BxT, prior, kv, offset)
+        def run(block, h_BxTxE, segment_ids_BxT, prior, kv, offset):
+            return apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset)
 
-        h_BxTxD, kv = run(self.layers, h_BxTxD, segment_ids_BxT, prior, kv, offset)
+        h_BxTxE, kv = run(self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset)
         if kv is None:
-            return h_BxTxD, None
-        return h_BxTxD, (tuple(kv[0]), tuple(kv[1]))
+            return h_BxTxE, None
+        return h_BxTxE, (tuple(kv[0]), tuple(kv[1]))
 
 
 def count_params(model_or_params: nnx.Module | Any) -> int:

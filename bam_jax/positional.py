@@ -35,16 +35,16 @@ def apply_rope(x_BxTxHxD: jax.Array, positions: jax.Array, *, theta: float) -> j
     head_dim = x_BxTxHxD.shape[-1]
     if head_dim % 2:
         raise ValueError(f"rope needs an even head_dim, got {head_dim}")
-    freqs_F = jnp.asarray(rope_frequencies(head_dim, theta))
-    angles = jnp.asarray(positions, jnp.float32)[..., None] * freqs_F  # [(B,) T, F]
+    freqs_R = jnp.asarray(rope_frequencies(head_dim, theta))
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * freqs_R  # [(B,) T, R]
     if angles.ndim == 2:
         angles = angles[None]
-    cos_Bx1xTx1xF = jnp.cos(angles)[:, :, None, :]
-    sin_Bx1xTx1xF = jnp.sin(angles)[:, :, None, :]
+    cos_Bx1xTx1xR = jnp.cos(angles)[:, :, None, :]
+    sin_Bx1xTx1xR = jnp.sin(angles)[:, :, None, :]
     pairs = x_BxTxHxD.astype(jnp.float32).reshape(*x_BxTxHxD.shape[:-1], head_dim // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
-    rotated_even = even * cos_Bx1xTx1xF - odd * sin_Bx1xTx1xF
-    rotated_odd = even * sin_Bx1xTx1xF + odd * cos_Bx1xTx1xF
+    rotated_even = even * cos_Bx1xTx1xR - odd * sin_Bx1xTx1xR
+    rotated_odd = even * sin_Bx1xTx1xR + odd * cos_Bx1xTx1xR
     rotated = jnp.stack([rotated_even, rotated_odd], axis=-1).reshape(x_BxTxHxD.shape)
     return rotated.astype(x_BxTxHxD.dtype)
 

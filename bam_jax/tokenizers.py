@@ -246,15 +246,15 @@ def special_id(tokenizer: Tokenizer, kind: str, remedy: str = "") -> int:
 def encode_checked(tokenizer: Tokenizer, text: str, where: str) -> np.ndarray:
     """int64 ids of `text`, refused when one lies outside [0, vocab_size): the error names
     the tokenizer, `where` the text came from (e.g. "FILE line N") and the first bad id."""
-    ids_N = np.asarray(tokenizer.encode(text), np.int64)
-    bad = np.flatnonzero((ids_N < 0) | (ids_N >= tokenizer.vocab_size))
+    ids = np.asarray(tokenizer.encode(text), np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= tokenizer.vocab_size))
     if bad.size:
         raise ValueError(
-            f"{where}: tokenizer {tokenizer.name!r} encoded the text to id {ids_N[bad[0]]} "
+            f"{where}: tokenizer {tokenizer.name!r} encoded the text to id {ids[bad[0]]} "
             f"(token {bad[0]}), outside its vocabulary [0, {tokenizer.vocab_size}); the "
             "tokenizer file is inconsistent, use another tokenizer"
         )
-    return ids_N
+    return ids
 
 
 def _passkey_base_ids(base: Tokenizer) -> set[int]:

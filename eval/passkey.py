@@ -77,8 +77,8 @@ def stack_samples(samples: Sequence[PasskeySample]) -> tuple[np.ndarray, np.ndar
     tokens_BxT = np.zeros((len(samples), length), np.int32)
     for row, s in enumerate(samples):
         tokens_BxT[row, : len(s.tokens)] = s.tokens
-    positions_BxK = np.stack([s.score_positions for s in samples])
-    return tokens_BxT, positions_BxK
+    positions_BxP = np.stack([s.score_positions for s in samples])
+    return tokens_BxT, positions_BxP
 
 
 def score_samples(
@@ -88,17 +88,17 @@ def score_samples(
 
     With ``batch_size`` larger than the batch, rows are repeated up to that size.
     """
-    tokens_BxT, positions_BxK = stack_samples(samples)
+    tokens_BxT, positions_BxP = stack_samples(samples)
     if batch_size is not None and len(samples) < batch_size:
         # Repeat the last row so every batch of a sweep has one shape (one compile).
         fill = batch_size - len(samples)
         tokens_BxT = np.concatenate([tokens_BxT, np.repeat(tokens_BxT[-1:], fill, 0)])
-        positions_BxK = np.concatenate([positions_BxK, np.repeat(positions_BxK[-1:], fill, 0)])
-    logits_BxKxV = scorer.logits_at(tokens_BxT, positions_BxK)[: len(samples)]
-    predicted_BxK = logits_BxKxV.argmax(-1)
-    answers_BxK = np.stack([s.answer_tokens for s in samples])
-    correct = [bool(c) for c in (predicted_BxK == answers_BxK).all(-1)]
-    return correct, predicted_BxK
+        positions_BxP = np.concatenate([positions_BxP, np.repeat(positions_BxP[-1:], fill, 0)])
+    logits_BxPxV = scorer.logits_at(tokens_BxT, positions_BxP)[: len(samples)]
+    predicted_BxP = logits_BxPxV.argmax(-1)
+    answers_BxP = np.stack([s.answer_tokens for s in samples])
+    correct = [bool(c) for c in (predicted_BxP == answers_BxP).all(-1)]
+    return correct, predicted_BxP
 
 
 def auto_batch_size(
@@ -123,7 +123,7 @@ def key_token_count(tokenizer: TextEncoder, prefix_digits: int) -> int:
 def _length_entry(
     samples: Sequence[PasskeySample],
     correct: list[bool],
-    predicted_BxK: np.ndarray,
+    predicted_BxP: np.ndarray,
     tokenizer: TextEncoder,
     seconds: float,
     batch_size: int,
@@ -138,7 +138,7 @@ def _length_entry(
         "filler_before": [s.filler_before for s in samples],
         "depths": [s.filler_before / n_filler if n_filler else 0.0 for s in samples],
         "keys": [s.key for s in samples],
-        "predicted": [tokenizer.decode(row.tolist()) for row in predicted_BxK],
+        "predicted": [tokenizer.decode(row.tolist()) for row in predicted_BxP],
         "correct": correct,
         "accuracy": float(np.mean(correct)),
         "seconds_per_sample": seconds / len(samples),

@@ -110,7 +110,7 @@ def load_rows(
 
 def evaluate_perplexity(
     scorer: ChunkedForward,
-    rows_NxT: np.ndarray,
+    rows_BxT: np.ndarray,
     *,
     window: int,
     batch_size: int = 1,
@@ -118,7 +118,7 @@ def evaluate_perplexity(
     label: str = "",
 ) -> dict[str, Any]:
     """Mean next-token loss and perplexity per window of positions."""
-    seq_len = rows_NxT.shape[1] - 1
+    seq_len = rows_BxT.shape[1] - 1
     if window < 1 or seq_len % window:
         raise ValueError(f"window must divide seq_len {seq_len}, got {window}")
     n_windows = seq_len // window
@@ -126,25 +126,25 @@ def evaluate_perplexity(
     loss_sq_W = np.zeros(n_windows)
     start = time.perf_counter()
     bar = tqdm(
-        total=len(rows_NxT),
+        total=len(rows_BxT),
         disable=not progress or not sys.stderr.isatty(),
         desc=f"perplexity {label}".strip(),
     )
-    for i in range(0, len(rows_NxT), batch_size):
-        loss_BxT = scorer.next_token_loss(rows_NxT[i : i + batch_size]).astype(np.float64)
-        loss_BxWxK = loss_BxT.reshape(len(loss_BxT), n_windows, window)
-        loss_sum_W += loss_BxWxK.mean(-1).sum(0)
-        loss_sq_W += (loss_BxWxK**2).mean(-1).sum(0)
+    for i in range(0, len(rows_BxT), batch_size):
+        loss_BxT = scorer.next_token_loss(rows_BxT[i : i + batch_size]).astype(np.float64)
+        loss_BxWxT = loss_BxT.reshape(len(loss_BxT), n_windows, window)
+        loss_sum_W += loss_BxWxT.mean(-1).sum(0)
+        loss_sq_W += (loss_BxWxT**2).mean(-1).sum(0)
         bar.update(len(loss_BxT))
     bar.close()
-    mean_W = loss_sum_W / len(rows_NxT)
-    std_W = np.sqrt(np.maximum(loss_sq_W / len(rows_NxT) - mean_W**2, 0.0))
+    mean_W = loss_sum_W / len(rows_BxT)
+    std_W = np.sqrt(np.maximum(loss_sq_W / len(rows_BxT) - mean_W**2, 0.0))
     return {
         "positions": [(k + 1) * window for k in range(n_windows)],
         "loss": mean_W.tolist(),
         "loss_std": std_W.tolist(),
         "perplexity": np.exp(mean_W).tolist(),
-        "n_sequences": len(rows_NxT),
+        "n_sequences": len(rows_BxT),
         "seq_len": seq_len,
         "window": window,
         "seconds": time.perf_counter() - start,

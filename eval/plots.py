@@ -148,20 +148,20 @@ def depth_heatmap(
     """Accuracy per (length, needle depth bin): rows are depths (0 = start), columns target
     lengths; each cell shows its sample count, and cells without samples are hatched."""
     bins = max(1, min(bins, max(len(e["depths"]) for e in entries)))
-    accuracy_DxL, counts_DxL = _depth_grid(entries, bins)
+    accuracy_grid, counts_grid = _depth_grid(entries, bins)
     fig, ax = plt.subplots(
         figsize=(max(5.5, 0.75 * len(entries) + 2.5), 0.4 * bins + 2.2), layout="constrained"
     )
     ax.set_facecolor("white")
     image = ax.imshow(
-        100 * accuracy_DxL, aspect="auto", cmap="RdYlGn", vmin=0, vmax=100, origin="upper"
+        100 * accuracy_grid, aspect="auto", cmap="RdYlGn", vmin=0, vmax=100, origin="upper"
     )
-    for depth, col in zip(*np.nonzero(counts_DxL == 0), strict=True):
+    for depth, col in zip(*np.nonzero(counts_grid == 0), strict=True):
         ax.add_patch(
             plt.Rectangle((col - 0.5, depth - 0.5), 1, 1, fill=False, hatch="///", color="0.75")
         )
-    for depth, col in zip(*np.nonzero(counts_DxL), strict=True):
-        ax.text(col, depth, f"{int(counts_DxL[depth, col])}", ha="center", va="center", fontsize=7)
+    for depth, col in zip(*np.nonzero(counts_grid), strict=True):
+        ax.text(col, depth, f"{int(counts_grid[depth, col])}", ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(entries)), [_short_number(_target_length(e)) for e in entries])
     ax.set_yticks(range(bins), [f"{(b + 0.5) / bins:.0%}" for b in range(bins)])
     ax.set_xlabel("target prompt length (tokens)")
@@ -180,16 +180,16 @@ def depth_heatmap(
 
 def _depth_grid(entries: Sequence[Mapping[str, Any]], bins: int) -> tuple[np.ndarray, np.ndarray]:
     """Accuracy (NaN where empty) and sample counts, both [depth bins, lengths]."""
-    sums_DxL = np.zeros((bins, len(entries)))
-    counts_DxL = np.zeros((bins, len(entries)))
+    sums_grid = np.zeros((bins, len(entries)))
+    counts_grid = np.zeros((bins, len(entries)))
     for col, e in enumerate(entries):
         for depth, ok in zip(e["depths"], e["correct"], strict=True):
             row = min(int(depth * bins), bins - 1)
-            sums_DxL[row, col] += ok
-            counts_DxL[row, col] += 1
+            sums_grid[row, col] += ok
+            counts_grid[row, col] += 1
     with np.errstate(invalid="ignore", divide="ignore"):
-        accuracy_DxL = np.where(counts_DxL > 0, sums_DxL / counts_DxL, np.nan)
-    return accuracy_DxL, counts_DxL
+        accuracy_grid = np.where(counts_grid > 0, sums_grid / counts_grid, np.nan)
+    return accuracy_grid, counts_grid
 
 
 def perplexity_vs_position(

@@ -93,8 +93,8 @@ def apply_rope(x_BxTxHxD: np.ndarray, theta: float) -> np.ndarray:
     """Rotates adjacent channel pairs (2k, 2k+1) by angle p * theta ** (-2k / D)."""
     _, t, _, d = x_BxTxHxD.shape
     freqs = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64)[: d // 2] / d)
-    angle_TxK = np.outer(np.arange(t, dtype=np.float64), freqs)
-    cos, sin = np.cos(angle_TxK)[None, :, None], np.sin(angle_TxK)[None, :, None]
+    angle_TxR = np.outer(np.arange(t, dtype=np.float64), freqs)
+    cos, sin = np.cos(angle_TxR)[None, :, None], np.sin(angle_TxR)[None, :, None]
     cos, sin = cos.astype(x_BxTxHxD.dtype), sin.astype(x_BxTxHxD.dtype)
     even, odd = x_BxTxHxD[..., 0::2], x_BxTxHxD[..., 1::2]
     out = np.empty_like(x_BxTxHxD)
@@ -104,15 +104,15 @@ def apply_rope(x_BxTxHxD: np.ndarray, theta: float) -> np.ndarray:
 
 
 def ggd_bias(prior: Mapping[str, np.ndarray], t: int, dtype: Any) -> np.ndarray:
-    """[H, T, T] spec-form GGD log-prior for distance d = j - i."""
+    """[H, T, S] (S = T) spec-form GGD log-prior for distance d = j - i."""
     alpha, beta, theta_mu = (
         np.asarray(prior[name], dtype).reshape(-1, 1, 1)
         for name in ("theta_alpha", "theta_beta", "theta_mu")
     )
     pos = np.arange(t, dtype=dtype)
-    d_TxT = pos[None, :] - pos[:, None]
+    d_TxS = pos[None, :] - pos[:, None]
     mu = np.exp(theta_mu) - np.exp(-theta_mu)
-    return -np.exp(alpha) * (np.abs(d_TxT[None] - mu) + GGD_EPS) ** beta
+    return -np.exp(alpha) * (np.abs(d_TxS[None] - mu) + GGD_EPS) ** beta
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -128,7 +128,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def visibility_mask(
     seq_codes_BxT: np.ndarray | None, b: int, t: int, window: int | None
 ) -> np.ndarray:
-    """[B, T, T] bool: query i may see key j (causal, same document, inside the window)."""
+    """[B, T, S] (S = T) bool: query i may see key j (causal, same document, inside the window)."""
     pos = np.arange(t)
     visible = np.broadcast_to(pos[None, :] <= pos[:, None], (b, t, t))
     if window is not None:
@@ -166,8 +166,8 @@ def reference_forward(
         h = h + sinusoidal_table(t, dim, margs.get("sinusoidal_theta", 10_000), dtype)[None]
 
     window = margs["max_seq_len"] if encoding == "rotary_local" else None
-    visible_Bx1xTxT = visibility_mask(seq_codes_BxT, b, t, window)[:, None]
-    log_n_Bx1xTx1 = np.log(visible_Bx1xTxT.sum(-1, keepdims=True).astype(dtype))
+    visible_Bx1xTxS = visibility_mask(seq_codes_BxT, b, t, window)[:, None]
+    log_n_Bx1xTx1 = np.log(visible_Bx1xTxS.sum(-1, keepdims=True).astype(dtype))
 
     def layer_prior(prefix: str) -> np.ndarray:
         keys = ("theta_alpha", "theta_beta", "theta_mu")
@@ -189,25 +189,25 @@ def reference_forward(
         v = np.repeat(v, n_heads // n_kv_heads, axis=2)
         scores = np.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(head_dim)
 
-        bias_HxTxT = np.zeros((n_heads, t, t), dtype)
+        bias_HxTxS = np.zeros((n_heads, t, t), dtype)
         if encoding.startswith("alibi"):
             pos = np.arange(t, dtype=dtype)
             dist = np.abs(pos[None, :] - pos[:, None])
-            bias_HxTxT = -dist[None] * alibi_slopes(n_heads).astype(dtype)[:, None, None]
+            bias_HxTxS = -dist[None] * alibi_slopes(n_heads).astype(dtype)[:, None, None]
         elif encoding.startswith("bam"):
-            bias_HxTxT = layer_prior(p + "attention.")
+            bias_HxTxS = layer_prior(p + "attention.")
 
         if encoding in SSMAX_ENCODINGS:
-            scale_Bx1xTx1 = log_n_Bx1xTx1 * params[p + "attention.seq_scale"].reshape(
+            scale_BxHxTx1 = log_n_Bx1xTx1 * params[p + "attention.seq_scale"].reshape(
                 1, n_heads, 1, 1
             )
             if encoding == "bam_ssmax" and ssmax_prior_inside:
-                scores = (scores + bias_HxTxT[None]) * scale_Bx1xTx1
+                scores = (scores + bias_HxTxS[None]) * scale_BxHxTx1
             else:
-                scores = scores * scale_Bx1xTx1 + bias_HxTxT[None]
+                scores = scores * scale_BxHxTx1 + bias_HxTxS[None]
         else:
-            scores = scores + bias_HxTxT[None]
-        scores = np.where(visible_Bx1xTxT, scores, -np.inf)
+            scores = scores + bias_HxTxS[None]
+        scores = np.where(visible_Bx1xTxS, scores, -np.inf)
         attn = np.einsum("bhij,bjhd->bihd", softmax(scores), v).reshape(b, t, dim)
         h = h + attn @ params[p + "attention.wo.weight"].T
 

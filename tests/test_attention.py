@@ -351,24 +351,24 @@ def _input_jacobian(segments: jax.Array | None, length: int = 20) -> np.ndarray:
             block_k=8,
         )
 
-    jac = jax.jit(jax.jacrev(attend))(x)[0, :, :, :, 0]  # [T, H, D, T, H, D]
+    jac = jax.jit(jax.jacrev(attend))(x)[0, :, :, :, 0]  # [T, H, D, S, K, D]
     return np.abs(np.asarray(jac)).sum(axis=(1, 2, 4, 5))
 
 
 def test_causality_by_gradient() -> None:
-    jac_TxT = _input_jacobian(None)
-    assert np.all(np.triu(jac_TxT, k=1) == 0.0)
-    assert np.all(np.diag(jac_TxT) > 0.0)
+    jac_TxS = _input_jacobian(None)
+    assert np.all(np.triu(jac_TxS, k=1) == 0.0)
+    assert np.all(np.diag(jac_TxS) > 0.0)
 
 
 def test_documents_are_isolated_by_gradient() -> None:
     segments = jnp.asarray([[0] * 7 + [1] * 9 + [-1] * 4], jnp.int32)
-    jac_TxT = _input_jacobian(segments)
+    jac_TxS = _input_jacobian(segments)
     seg = np.asarray(segments[0])
     across = seg[:, None] != seg[None, :]
-    assert np.all(jac_TxT[across] == 0.0)
+    assert np.all(jac_TxS[across] == 0.0)
     same = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
-    assert np.all(jac_TxT[same & np.tri(len(seg), dtype=bool)] > 0.0)
+    assert np.all(jac_TxS[same & np.tri(len(seg), dtype=bool)] > 0.0)
 
 
 class JitVariantsTest(chex.TestCase):

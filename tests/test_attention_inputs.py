@@ -191,8 +191,8 @@ def test_bad_arguments_name_what_to_fix(
 def test_the_nnx_attention_layer_gets_the_same_checks() -> None:
     config = ModelConfig.of_size("nano", encoding="bam", global_prior=False)
     attention = Attention(config.replace(attention_impl="blockwise"), rngs=nnx.Rngs(0))
-    x_BxTxD = jnp.ones((BATCH, 6, config.dim), jnp.float32)
+    x_BxTxE = jnp.ones((BATCH, 6, config.dim), jnp.float32)
     with pytest.raises(TypeError, match="query_segment_ids_BxT must have a signed integer"):
-        attention(x_BxTxD, jnp.zeros((BATCH, 6), jnp.float32))
+        attention(x_BxTxE, jnp.zeros((BATCH, 6), jnp.float32))
     with pytest.raises(ValueError, match=r"query_segment_ids_BxT must have shape .*\(1, 6\)"):
-        attention(x_BxTxD, jnp.zeros((1, 6), jnp.int32))
+        attention(x_BxTxE, jnp.zeros((1, 6), jnp.int32))

@@ -60,7 +60,7 @@ def test_memory_at_16k_is_linear_not_quadratic() -> None:
     one_chunk = scorer.compiled_temp_bytes(1, 512)
     at_16k = scorer.compiled_temp_bytes(1, 16_384)
     cache_16k = cache_bytes_per_slot(config) * 16_384
-    # Scratch is one chunk's work plus at most a copy of the cache; a [T, T] float32 score
+    # Scratch is one chunk's work plus at most a copy of the cache; a [T, S] float32 score
     # matrix alone would be 1 GiB per head.
     assert at_16k <= one_chunk + 2 * cache_16k
     assert at_16k < 64 * 2**20

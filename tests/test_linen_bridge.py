@@ -27,9 +27,9 @@ class LinenBlock(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, segment_ids_BxT=None):
-        h = nn.RMSNorm(name="norm")(x_BxTxD)
-        return x_BxTxD + linen_attention(self.config, name="attention")(h, segment_ids_BxT)
+    def __call__(self, x_BxTxE, segment_ids_BxT=None):
+        h = nn.RMSNorm(name="norm")(x_BxTxE)
+        return x_BxTxE + linen_attention(self.config, name="attention")(h, segment_ids_BxT)
 
 
 def test_attention_inside_linen_equals_nnx_module():

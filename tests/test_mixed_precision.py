@@ -107,10 +107,10 @@ def test_residual_stream_stays_float32_under_bfloat16(monkeypatch, scan_layers):
     seen: list[tuple[str, str]] = []
     apply_block = model_module._apply_block
 
-    def recording(block, x_BxTxD, *args):
-        h_BxTxD, kv = apply_block(block, x_BxTxD, *args)
-        seen.append((str(x_BxTxD.dtype), str(h_BxTxD.dtype)))
-        return h_BxTxD, kv
+    def recording(block, x_BxTxE, *args):
+        h_BxTxE, kv = apply_block(block, x_BxTxE, *args)
+        seen.append((str(x_BxTxE.dtype), str(h_BxTxE.dtype)))
+        return h_BxTxE, kv
 
     monkeypatch.setattr(model_module, "_apply_block", recording)
     model = Transformer(micro(dtype="bfloat16", scan_layers=scan_layers), rngs=nnx.Rngs(0))

@@ -8,7 +8,7 @@ A row is a dict of numpy arrays of length `seq_len`:
   segment_ids      int32   document id per input token (-1 = padding, never attended)
   positions        int32   position of each input token inside its document
   loss_mask        float32 1 where the target is trained on
-  loss_positions   int32 [K]  (passkey rows trained on the answer only) the K positions whose
+  loss_positions   int32 [P]  (passkey rows trained on the answer only) the P positions whose
                    targets are trained, so that only they need logits
 
 Sources:
@@ -201,7 +201,7 @@ class PasskeyRows:
 
 
 def loss_positions_per_row(cfg: DataConfig) -> int | None:
-    """K when every row carries `loss_positions` [K], else None."""
+    """P when every row carries `loss_positions` [P], else None."""
     if cfg.source == "passkey" and cfg.passkey_loss == "answer":
         return passkey.PREDICTED_DIGITS + cfg.passkey_lm_positions
     return None
@@ -278,10 +278,10 @@ def tokenize_documents(
     """
     bos = [special_id(tokenizer, "bos", "or set data.add_bos=False")] if add_bos else []
     eos = [special_id(tokenizer, "eos", "or set data.add_eos=False")] if add_eos else []
-    bos_N, eos_N = np.asarray(bos, np.int64), np.asarray(eos, np.int64)
+    bos_ids, eos_ids = np.asarray(bos, np.int64), np.asarray(eos, np.int64)
     pieces, starts, total = [], [], 0
     for doc in docs:
-        ids = np.concatenate([bos_N, encode_checked(tokenizer, doc.text, doc.where), eos_N])
+        ids = np.concatenate([bos_ids, encode_checked(tokenizer, doc.text, doc.where), eos_ids])
         starts.append(total)
         pieces.append(ids.astype(np.int32))
         total += len(ids)

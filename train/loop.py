@@ -55,22 +55,30 @@ def loss_sums(parts: ModelParts, params, consts, batch: Batch) -> tuple[jax.Arra
     """Summed cross-entropy over trained targets of a [batch, seq_len] micro-batch, and the
     number of trained targets.
 
-    With `loss_positions` [batch, K] in the batch (rows trained on K known positions, such as
-    passkey answers) only those K positions go through the output projection.
+    With `loss_positions` [batch, P] in the batch (rows trained on P known positions, such as
+    passkey answers) only those P positions go through the output projection.
     """
     model = parts.merge(params, consts)
-    targets_BxT, mask_BxT = batch["targets"], batch["loss_mask"]
     if "loss_positions" in batch:
-        hidden_BxTxD = model.hidden_states(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
-        positions_BxK = batch["loss_positions"]
-        hidden_BxKxD = jnp.take_along_axis(hidden_BxTxD, positions_BxK[..., None], axis=1)
-        logits = model.logits(hidden_BxKxD)
-        targets_BxT = jnp.take_along_axis(targets_BxT, positions_BxK, axis=1)
-        mask_BxT = jnp.take_along_axis(mask_BxT, positions_BxK, axis=1)
-    else:
-        logits = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets_BxT)
-    return jnp.sum(ce * mask_BxT), jnp.sum(mask_BxT)
+        hidden_BxTxE = model.hidden_states(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+        positions_BxP = batch["loss_positions"]
+        hidden_BxPxE = jnp.take_along_axis(hidden_BxTxE, positions_BxP[..., None], axis=1)
+        targets_BxP = jnp.take_along_axis(batch["targets"], positions_BxP, axis=1)
+        mask_BxP = jnp.take_along_axis(batch["loss_mask"], positions_BxP, axis=1)
+        return _masked_cross_entropy(model.logits(hidden_BxPxE), targets_BxP, mask_BxP)
+    logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    return _masked_cross_entropy(logits_BxTxV, batch["targets"], batch["loss_mask"])
+
+
+def _masked_cross_entropy(
+    logits_BxPxV: jax.Array, targets_BxP: jax.Array, mask_BxP: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Cross-entropy summed where the mask is 1, and the mask's sum (P: the scored positions,
+    all T of them without `loss_positions`)."""
+    ce_BxP = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxPxV.astype(jnp.float32), targets_BxP
+    )
+    return jnp.sum(ce_BxP * mask_BxP), jnp.sum(mask_BxP)
 
 
 def make_train_step(parts: ModelParts, tx: optax.GradientTransformation) -> Callable:
@@ -158,10 +166,10 @@ class Setup:
             for k in ("inputs", "targets", "segment_ids", "positions")
         }
         batch["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
-        k = loss_positions_per_row(self.cfg.data)
-        if k is not None:
+        scored = loss_positions_per_row(self.cfg.data)
+        if scored is not None:
             batch["loss_positions"] = jax.ShapeDtypeStruct(
-                (*shape[:2], k), jnp.int32, sharding=sharding
+                (*shape[:2], scored), jnp.int32, sharding=sharding
             )
         return batch
 

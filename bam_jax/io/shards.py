@@ -2,10 +2,10 @@
 
   meta.json                 {"format": "bam-jax-shards", "version": 1, "tokenizer": ...,
                              "vocab_size": V, "bos_id": ..., "eos_id": ...,
-                             "shards": [{"name": "shard-00000", "tokens": N, "documents": M,
+                             "shards": [{"name": "shard-00000", "tokens": ..., "documents": ...,
                                          "min_id": ..., "max_id": ...}]}
-  shard-00000.tokens.npy    int32 [N]  documents concatenated, each BOS + text + EOS
-  shard-00000.starts.npy    int64 [M]  offset of each document's first token
+  shard-00000.tokens.npy    int32 [tokens]     documents concatenated, each BOS + text + EOS
+  shard-00000.starts.npy    int64 [documents]  offset of each document's first token
 
 Shards are memory-mapped, so they are read from a file system: a `file://` URL names its
 local path; other URLs are refused (read a bucket through its mount).
@@ -98,21 +98,21 @@ def open_shards(path: str) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def _open_shard(path: str, shard: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     base = os.path.join(path, shard["name"])
-    tokens_N = _load_array(base + ".tokens.npy", shard["tokens"], mmap_mode="r")
-    starts_M = _load_array(base + ".starts.npy", shard["documents"])
-    if len(tokens_N) and (
-        not len(starts_M)
-        or starts_M[0] != 0
-        or np.any(np.diff(starts_M) < 0)
-        or starts_M[-1] >= len(tokens_N)
+    tokens = _load_array(base + ".tokens.npy", shard["tokens"], mmap_mode="r")
+    starts = _load_array(base + ".starts.npy", shard["documents"])
+    if len(tokens) and (
+        not len(starts)
+        or starts[0] != 0
+        or np.any(np.diff(starts) < 0)
+        or starts[-1] >= len(tokens)
     ):
         raise ValueError(
             f"{base}.starts.npy: document starts must rise from 0 and stay below the shard's "
-            f"{len(tokens_N)} tokens; the shard is damaged, write the shards again"
+            f"{len(tokens)} tokens; the shard is damaged, write the shards again"
         )
     recorded = (shard["min_id"], shard["max_id"]) if "min_id" in shard else None
-    check_token_ids(base + ".tokens.npy", tokens_N, vocab_size, recorded)
-    return tokens_N, starts_M
+    check_token_ids(base + ".tokens.npy", tokens, vocab_size, recorded)
+    return tokens, starts
 
 
 def _load_array(file: str, length: int, mmap_mode: str | None = None) -> np.ndarray:
@@ -132,7 +132,7 @@ def _load_array(file: str, length: int, mmap_mode: str | None = None) -> np.ndar
 
 
 def check_token_ids(
-    file: str, tokens_N: np.ndarray, vocab_size: int, id_range: tuple[int, int] | None = None
+    file: str, tokens: np.ndarray, vocab_size: int, id_range: tuple[int, int] | None = None
 ) -> None:
     """Raise ValueError naming `file`, the first id outside [0, vocab_size) and its position.
 
@@ -145,9 +145,9 @@ def check_token_ids(
     low, high = id_range
     if low >= 0 and high < vocab_size:
         return
-    position = _first_outside(tokens_N, vocab_size)
+    position = _first_outside(tokens, vocab_size)
     found = (
-        f"token id {tokens_N[position]} at position {position}"
+        f"token id {tokens[position]} at position {position}"
         if position is not None
         else f"ids in [{low}, {high}] by meta.json"
     )
@@ -161,16 +161,16 @@ def check_token_ids(
 @functools.cache
 def _id_range(file: str, size: int, mtime_ns: int) -> tuple[int, int]:
     """(min, max) id of a tokens file; `size` and `mtime_ns` key the cache to its version."""
-    tokens_N = np.load(file, mmap_mode="r")
-    if not len(tokens_N):
+    tokens = np.load(file, mmap_mode="r")
+    if not len(tokens):
         return 0, -1
-    return int(tokens_N.min()), int(tokens_N.max())
+    return int(tokens.min()), int(tokens.max())
 
 
-def _first_outside(tokens_N: np.ndarray, vocab_size: int) -> int | None:
+def _first_outside(tokens: np.ndarray, vocab_size: int) -> int | None:
     """Position of the first id outside [0, vocab_size), read in chunks of a memory map."""
-    for start in range(0, len(tokens_N), SCAN_CHUNK):
-        chunk = np.asarray(tokens_N[start : start + SCAN_CHUNK])
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = np.asarray(tokens[start : start + SCAN_CHUNK])
         bad = np.flatnonzero((chunk < 0) | (chunk >= vocab_size))
         if bad.size:
             return start + int(bad[0])

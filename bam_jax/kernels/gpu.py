@@ -58,9 +58,9 @@ class _SubBlock(NamedTuple):
 
     rows: pl.Slice
     q_start: jax.Array
-    q_RxD: jax.Array
+    q_MxD: jax.Array
     coefficients: RowCoefficients
-    seg_Rx1: jax.Array | None
+    seg_Mx1: jax.Array | None
 
 
 def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *refs):
@@ -89,9 +89,9 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
             _SubBlock(
                 rows=rows,
                 q_start=q_start + s * sub_rows,
-                q_RxD=q_ref[rows, :],
+                q_MxD=q_ref[rows, :],
                 coefficients=row_coefficients(config, head, log_n),
-                seg_Rx1=None if q_seg_ref is None else q_seg_ref[rows, :],
+                seg_Mx1=None if q_seg_ref is None else q_seg_ref[rows, :],
             )
         )
     reuse = config.prior_kind == "ggd"
@@ -103,7 +103,7 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
         carries, window = state
         k_start = pl.multiple_of(k_block * bk, bk)
         keys = pl.ds(k_start, bk)
-        k_KxD, v_KxD = k_ref[keys, :], v_ref[keys, :]
+        k_NxD, v_NxD = k_ref[keys, :], v_ref[keys, :]
         k_seg = None if k_seg_ref is None else k_seg_ref[:, keys]
         units = (unit_at(k_start), *window) if reuse else (None,) * splits
         new_carries = []
@@ -111,18 +111,18 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
             logits = tile_logits_log2(
                 config,
                 math_ops,
-                sub.q_RxD,
-                k_KxD,
+                sub.q_MxD,
+                k_NxD,
                 sub.q_start,
                 k_start,
                 head,
                 sub.coefficients,
-                sub.seg_Rx1,
+                sub.seg_Mx1,
                 k_seg,
                 unit,
                 masked=masked,
             )
-            new_carries.append(online_update(math_ops, carry, logits, v_KxD))
+            new_carries.append(online_update(math_ops, carry, logits, v_NxD))
         return tuple(new_carries), units[:-1] if reuse else ()
 
     start, stop = config.mask.key_blocks(q_start, config.block_q, config.block_k)
@@ -141,7 +141,7 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
         lse_ref[sub.rows, :] = lse
 
 
-def gpu_forward(config: KernelConfig, q, k, v, head_params_HxP, log_n, q_seg, k_seg, offset):
+def gpu_forward(config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_seg, offset):
     batch, q_pad, num_heads, d_pad = q.shape
     kv_pad = k.shape[1]
     bq, groups = config.block_q, config.groups
@@ -157,7 +157,7 @@ def gpu_forward(config: KernelConfig, q, k, v, head_params_HxP, log_n, q_seg, k_
         pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
         pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
     ]
-    inputs = [offset, head_params_HxP, q, k, v]
+    inputs = [offset, head_params_Hx8, q, k, v]
     row_spec = pl.BlockSpec((None, bq, 1), lambda i, b, h: (b, q_block(i), 0))
     if config.ssmax:
         in_specs.append(row_spec)

@@ -98,22 +98,22 @@ class HeadScalars(NamedTuple):
 
 
 class RowCoefficients(NamedTuple):
-    """Per-query multipliers of the content and prior terms, in log2 units ([Q, 1])."""
+    """Per-query multipliers of the content and prior terms, in log2 units ([M, 1])."""
 
     content: jax.Array
     prior: jax.Array
 
 
 def row_coefficients(
-    config: KernelConfig, head: HeadScalars, log_n_Qx1: jax.Array | None
+    config: KernelConfig, head: HeadScalars, log_n_Mx1: jax.Array | None
 ) -> RowCoefficients:
     content = jnp.float32(LOG2_E / math.sqrt(config.head_dim))
     prior = head.coef * jnp.float32(LOG2_E)
     if config.ssmax:
-        factor_Qx1 = head.ssmax_scale * log_n_Qx1
-        content = content * factor_Qx1
+        factor_Mx1 = head.ssmax_scale * log_n_Mx1
+        content = content * factor_Mx1
         if config.prior_inside:
-            prior = prior * factor_Qx1
+            prior = prior * factor_Mx1
     return RowCoefficients(content=content, prior=prior)
 
 
@@ -129,7 +129,7 @@ def _distance(relative_start: jax.Array, shape: tuple[int, int]) -> jax.Array:
 def ggd_unit(
     math_ops: MathOps, head: HeadScalars, relative_start: jax.Array, shape: tuple[int, int]
 ) -> jax.Array:
-    """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [Q, K], saturating
+    """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [M, N], saturating
     where coef times it reaches 2 ** GGD_MAX_LOG2_MAGNITUDE, as `bam_jax.priors.ggd_bias`."""
     distance = _distance(relative_start, shape).astype(jnp.float32)
     gap = jnp.abs(distance - head.mu) + jnp.float32(GGD_EPS)
@@ -140,34 +140,34 @@ def ggd_unit(
 def tile_logits_log2(
     config: KernelConfig,
     math_ops: MathOps,
-    q_QxD: jax.Array,
-    k_KxD: jax.Array,
+    q_MxD: jax.Array,
+    k_NxD: jax.Array,
     q_start: jax.Array,
     k_start: jax.Array,
     head: HeadScalars,
     rows: RowCoefficients,
-    q_seg_Qx1: jax.Array | None,
-    k_seg_1xK: jax.Array | None,
-    ggd_unit_QxK: jax.Array | None = None,
+    q_seg_Mx1: jax.Array | None,
+    k_seg_1xN: jax.Array | None,
+    ggd_unit_MxN: jax.Array | None = None,
     *,
     masked: bool = True,
 ) -> jax.Array:
-    """Logits of one tile in log2 units, float32 [Q, K]; -inf where not visible.
+    """Logits of one tile in log2 units, float32 [M, N]; -inf where not visible.
 
-    ggd_unit_QxK: the GGD tile without its per-row coefficient when the caller already has
+    ggd_unit_MxN: the GGD tile without its per-row coefficient when the caller already has
     it (the GPU kernel reuses it across query sub-blocks); computed here otherwise.
     masked: False for tiles the caller knows to be fully visible
         (`AttentionMask.full_key_blocks_stop`).
     """
-    shape = (q_QxD.shape[0], k_KxD.shape[0])
+    shape = (q_MxD.shape[0], k_NxD.shape[0])
     scores = lax.dot_general(
-        q_QxD, k_KxD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        q_MxD, k_NxD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
     logits = scores * rows.content
     if config.prior_kind == "ggd":
-        if ggd_unit_QxK is None:
-            ggd_unit_QxK = ggd_unit(math_ops, head, k_start - q_start, shape)
-        logits = logits - ggd_unit_QxK * rows.prior
+        if ggd_unit_MxN is None:
+            ggd_unit_MxN = ggd_unit(math_ops, head, k_start - q_start, shape)
+        logits = logits - ggd_unit_MxN * rows.prior
     elif config.prior_kind == "alibi":
         distance = _distance(k_start - q_start, shape)
         logits = logits - jnp.abs(distance).astype(jnp.float32) * rows.prior
@@ -176,16 +176,16 @@ def tile_logits_log2(
     visible = config.mask.visible(
         q_start + lax.broadcasted_iota(jnp.int32, shape, 0),
         k_start + lax.broadcasted_iota(jnp.int32, shape, 1),
-        q_seg_Qx1,
-        k_seg_1xK,
+        q_seg_Mx1,
+        k_seg_1xN,
     )
     return jnp.where(visible, logits, -jnp.inf)
 
 
 class SoftmaxState(NamedTuple):
-    acc_QxD: jax.Array
-    max_Qx1: jax.Array
-    sum_Qx1: jax.Array
+    acc_MxD: jax.Array
+    max_Mx1: jax.Array
+    sum_Mx1: jax.Array
 
 
 def init_state(block_q: int, head_dim: int) -> SoftmaxState:
@@ -197,28 +197,28 @@ def init_state(block_q: int, head_dim: int) -> SoftmaxState:
 
 
 def online_update(
-    math_ops: MathOps, carry: SoftmaxState, logits_QxK: jax.Array, v_KxD
+    math_ops: MathOps, carry: SoftmaxState, logits_MxN: jax.Array, v_NxD
 ) -> SoftmaxState:
-    new_max = jnp.maximum(carry.max_Qx1, jnp.max(logits_QxK, axis=1, keepdims=True))
+    new_max = jnp.maximum(carry.max_Mx1, jnp.max(logits_MxN, axis=1, keepdims=True))
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-    correction = math_ops.exp2(carry.max_Qx1 - safe_max)
-    probs = math_ops.exp2(logits_QxK - safe_max)
-    new_sum = carry.sum_Qx1 * correction + jnp.sum(probs, axis=1, keepdims=True)
+    correction = math_ops.exp2(carry.max_Mx1 - safe_max)
+    probs = math_ops.exp2(logits_MxN - safe_max)
+    new_sum = carry.sum_Mx1 * correction + jnp.sum(probs, axis=1, keepdims=True)
     update = lax.dot_general(
-        probs.astype(v_KxD.dtype),
-        v_KxD,
+        probs.astype(v_NxD.dtype),
+        v_NxD,
         (((1,), (0,)), ((), ())),
         preferred_element_type=jnp.float32,
     )
-    return SoftmaxState(carry.acc_QxD * correction + update, new_max, new_sum)
+    return SoftmaxState(carry.acc_MxD * correction + update, new_max, new_sum)
 
 
 def finalize(carry: SoftmaxState) -> tuple[jax.Array, jax.Array]:
     """Normalised output and natural-log log-sum-exp (+inf for rows that see no key, so that
     every probability the backward recomputes from it is 0)."""
-    seen = carry.sum_Qx1 > 0
-    out = carry.acc_QxD / jnp.where(seen, carry.sum_Qx1, 1.0)
-    lse = (carry.max_Qx1 + jnp.log2(jnp.where(seen, carry.sum_Qx1, 1.0))) * jnp.float32(LN_2)
+    seen = carry.sum_Mx1 > 0
+    out = carry.acc_MxD / jnp.where(seen, carry.sum_Mx1, 1.0)
+    lse = (carry.max_Mx1 + jnp.log2(jnp.where(seen, carry.sum_Mx1, 1.0))) * jnp.float32(LN_2)
     return out, jnp.where(seen, lse, jnp.inf)
 
 

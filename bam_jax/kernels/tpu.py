@@ -81,7 +81,7 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
         lse_ref[...] = lse
 
 
-def tpu_forward(config: KernelConfig, q, k, v, head_params_HxP, log_n, q_seg, k_seg, offset):
+def tpu_forward(config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_seg, offset):
     batch, q_pad, num_heads, d_pad = q.shape
     bq, bk, groups = config.block_q, config.block_k, config.groups
     # Mosaic tiles the last two dims of each block: put (length, head_dim) last.
@@ -105,7 +105,7 @@ def tpu_forward(config: KernelConfig, q, k, v, head_params_HxP, log_n, q_seg, k_
         pl.BlockSpec((None, None, bk, d_pad), kv_block),
         pl.BlockSpec((None, None, bk, d_pad), kv_block),
     ]
-    inputs = [head_params_HxP, q_BxHxTxD, k_BxKxSxD, v_BxKxSxD]
+    inputs = [head_params_Hx8, q_BxHxTxD, k_BxKxSxD, v_BxKxSxD]
     if config.ssmax:
         in_specs.append(pl.BlockSpec((None, bq, 1), q_rows))
         inputs.append(log_n)
