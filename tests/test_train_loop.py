@@ -132,19 +132,21 @@ def test_non_finite_loss_leaves_a_checkpoint_that_resumes(tmp_path, corpus, lr):
     assert all(np.isfinite(loss) for _, loss in records)
 
 
+def overflowing_optimizer(*args) -> optax.GradientTransformation:
+    """The project's optimizer, with every update multiplied by infinity."""
+    tx = make_optimizer(*args)
+
+    def update(grads, state, params=None):
+        updates, state = tx.update(grads, state, params)
+        return jax.tree.map(lambda u: u * np.inf, updates), state
+
+    return optax.GradientTransformation(tx.init, update)
+
+
 def test_an_update_that_overflows_the_state_is_not_saved(tmp_path, corpus, monkeypatch):
     workdir = str(tmp_path)
     cfg = small_config(corpus, steps=8, checkpoint_every=1, eval_every=0)
     train(cfg, workdir, stop_after=2)
-
-    def overflowing_optimizer(*args):
-        tx = make_optimizer(*args)
-
-        def update(grads, state, params=None):
-            updates, state = tx.update(grads, state, params)
-            return jax.tree.map(lambda u: u * np.inf, updates), state
-
-        return optax.GradientTransformation(tx.init, update)
 
     monkeypatch.setattr(train_loop, "make_optimizer", overflowing_optimizer)
     with pytest.raises(NonFiniteLossError, match=r"update of step 3 .* checkpoint is step 2"):
@@ -238,15 +240,6 @@ def test_a_non_finite_step_between_log_steps_is_never_saved(tmp_path, corpus, mo
     workdir = str(tmp_path)
     cfg = small_config(corpus, steps=8, log_every=5, checkpoint_every=2, eval_every=0)
     train(cfg, workdir, stop_after=2)
-
-    def overflowing_optimizer(*args):
-        tx = make_optimizer(*args)
-
-        def update(grads, state, params=None):
-            updates, state = tx.update(grads, state, params)
-            return jax.tree.map(lambda u: u * np.inf, updates), state
-
-        return optax.GradientTransformation(tx.init, update)
 
     monkeypatch.setattr(train_loop, "make_optimizer", overflowing_optimizer)
     with pytest.raises(NonFiniteLossError, match=r"update of step 3 .* checkpoint is step 2"):
