@@ -25,7 +25,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 ALPHA_INIT_MODES = ("slope", "sampled")
 BETA_INIT_MODES = ("linear", "sampled")
 
-# dim, n_layers, n_heads of the paper's model sizes (spec section 7).
+# dim, n_layers, n_heads of the paper's model sizes (docs/spec.md section 7).
 _PAPER_SIZES: dict[str, tuple[int, int, int]] = {
     "l6": (512, 6, 16),
     "l8": (768, 8, 16),
@@ -55,7 +55,7 @@ class ModelConfig:
     parameters (and SSMax scales) are trained; frozen ones are stored as constants.
 
     Other fields: `n_kv_heads` (None = n_heads) for grouped-query attention;
-    `ssmax_prior_inside` puts the BAM prior inside the SSMax scaling (spec section 4);
+    `ssmax_prior_inside` puts the BAM prior inside the SSMax scaling (docs/spec.md section 4);
     `local_window` is the rope_local window (None = max_seq_len, as in the reference);
     `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below);
     `attention_impl`, `block_q`, `block_k` select the attention kernel;

@@ -1,4 +1,4 @@
-"""Passkey retrieval prompts (spec section 10): the paper's strings, the prompt builder and
+"""Passkey retrieval prompts (docs/spec.md section 10): the paper's strings, the prompt builder and
 the needle-depth schedules.
 
 A prompt is ``task + filler * a + needle + filler * b + question`` (each piece tokenised

@@ -3,7 +3,7 @@
 - `apply_rope`: rotary embedding on adjacent channel pairs (2k, 2k+1) of each head, the
   Llama "complex pairs" layout.
 - `sinusoidal_embedding`: the additive table of the reference code; the cosine of odd
-  channel 2k+1 uses the frequency exp(-(2k+1) ln(theta) / D) (spec section 6).
+  channel 2k+1 uses the frequency exp(-(2k+1) ln(theta) / D) (docs/spec.md section 6).
 - `alibi_prior`: the fixed ALiBi prior for a head count.
 
 Frequencies are computed on the host in float64 and rounded once to float32; the angles
@@ -69,5 +69,5 @@ def sinusoidal_embedding(positions: jax.Array, dim: int, *, theta: float = 10000
 
 
 def alibi_prior(num_heads: int) -> AlibiPrior:
-    """The fixed ALiBi prior: bias_h(d) = -slope_h * |d| (spec section 3)."""
+    """The fixed ALiBi prior: bias_h(d) = -slope_h * |d| (docs/spec.md section 3)."""
     return AlibiPrior(jnp.asarray(alibi_slopes(num_heads)))

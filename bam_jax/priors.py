@@ -108,7 +108,7 @@ def _abs_zero_subgradient(x: jax.Array) -> jax.Array:
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
-    """ALiBi slopes for any head count, float32 [H] (spec section 3)."""
+    """ALiBi slopes for any head count, float32 [H] (docs/spec.md section 3)."""
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
 

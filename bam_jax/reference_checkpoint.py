@@ -1,4 +1,4 @@
-"""Import and export of the reference PyTorch checkpoints (spec section 8).
+"""Import and export of the reference PyTorch checkpoints (docs/spec.md section 8).
 
 A reference run directory holds `args.json` ({"args": {"position_encoding": ...},
 "model_args": {...}}) and the weights: `model.pt` (a torch state dict; needs the optional
@@ -11,7 +11,7 @@ Everything is validated before a model is built: a missing file, an unknown enco
 missing, unexpected or duplicated key and a wrong shape raise a ValueError that names the
 file, the key and what was expected.
 
-Where the stored reference code disagrees with BAM_SPEC.md the spec wins, so an imported
+Where copies of the reference code disagree, docs/spec.md decides, so an imported
 model computes the GGD prior as -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta and,
 for bam_ssmax, adds the prior before the SSMax scaling ("prior inside"); older reference
 copies scale first (pass `ssmax_prior_inside=False` for that order).

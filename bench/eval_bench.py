@@ -13,7 +13,7 @@ Columns: wall seconds per sample, CPU seconds per sample (all threads; steadier 
 wall time on a shared machine), the first call (compile + one sample), peak RSS, the
 KV cache and the compiled scratch of one prefill step, and the 1-minute load average.
 
-"anchor" is the long-context inference configuration of ANCHORS.md (bam_ssmax, dim 256,
+"anchor" is the long-context inference configuration of docs/benchmarks.md (bam_ssmax, dim 256,
 4 layers, 8 heads, vocabulary 32768, chunk 512), where the reference PyTorch code takes
 4.8 s at 4k, 17.7 s at 8k and 61 s at 16k with 4.4 GB peak.
 """

@@ -5,8 +5,9 @@
 
 Rows:
   tiny    the tiny preset (bam_ssmax, dim 64, 2 layers, context 128, batch 16)
-  anchor  the ANCHORS.md configuration: bam_ssmax, dim 256, 4 layers, 8 heads, vocabulary
-          32768, context 256, batch 16, float32 (the authors' code: 905 tokens/s on 2 cores)
+  anchor  the anchor configuration (docs/benchmarks.md): bam_ssmax, dim 256, 4 layers, 8 heads,
+          vocabulary 32768, context 256, batch 16, float32 (the authors' code: 905 tokens/s
+          on 2 cores)
   l6      the paper's l6 model (dim 512, 6 layers, 16 heads) at context 512, batch 4, float32
 
 Each step is the full optimizer step (forward, backward, RAdam with weight decay, clipping);

@@ -15,7 +15,7 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
 - micro: the "nano" model for tests and smoke runs (context 96, Mistral vocabulary).
 - anchor: the configuration of the performance anchor (dim 256, 4 layers, 8 heads,
   vocabulary 32768, context 256, batch 16).
-- l6_512 ... l24_1024: the paper's recipe (spec section 9) for every model size at context
+- l6_512 ... l24_1024: the paper's recipe (docs/spec.md section 9) for every model size at context
   512 and 1024: 589,824 tokens per optimizer step, 20,000 steps, RAdam with decoupled weight
   decay 0.1, lr 1e-3 cosine-decayed to 1e-4, no warmup, clipping at 1.0, bfloat16 compute,
   validation every 32 steps on the held-out first 3,899,392 tokens (about 3.9M, 119

@@ -1,4 +1,4 @@
-"""Passkey retrieval sweeps (spec section 10) over prompt lengths, with reusable results.
+"""Passkey retrieval sweeps (docs/spec.md section 10) over prompt lengths, with reusable results.
 
 Samples of one length are built deterministically from (seed, length), scored in batches
 through a `ChunkedForward`, and stored per length; lengths already in the results file

@@ -1,4 +1,4 @@
-"""Perplexity by position over long sequences (spec section 11).
+"""Perplexity by position over long sequences (docs/spec.md section 11).
 
 Each sequence of ``seq_len + 1`` tokens runs through the cached model in chunks (full
 causal context, never a [T, vocab] array); the next-token loss is averaged per window of

@@ -1,16 +1,16 @@
 """Plain-numpy forward pass of the reference PyTorch models, used as a test oracle.
 
-It reads a state dict in the reference (torch) layout, spec section 8: Linear weights
+It reads a state dict in the reference (torch) layout, docs/spec.md section 8: Linear weights
 [out, in], priors and SSMax scales [1, H, 1, 1], optional `module.` / `_orig_mod.` key
 prefixes, and the `args.json` dictionary of a reference run directory. It follows the
 reference models step by step (RMSNorm, SwiGLU, complex-pair RoPE, sinusoidal table
 with the odd-index cosine frequency, ALiBi slopes, GGD prior, SSMax with n_i counted
-inside the document), with two deliberate departures where BAM_SPEC.md says the stored
+inside the document), with two deliberate departures where docs/spec.md says the stored
 reference code is inconsistent:
 
-- GGD form: bias = -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta (spec section 2).
+- GGD form: bias = -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta (docs/spec.md).
   Some copies of the reference compute -((|d - mu| * exp(theta_alpha)) + eps) ** theta_beta.
-- bam_ssmax: the prior is added before the SSMax scaling ("prior inside", spec section 4,
+- bam_ssmax: the prior is added before the SSMax scaling ("prior inside", docs/spec.md section 4,
   the default). Older copies add it after. `ssmax_prior_inside=False` gives that order.
 
 Everything is computed in `dtype` (float64 by default), so the oracle is more precise
@@ -65,7 +65,7 @@ def canonical_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:
-    """The reference's ALiBi slopes (spec section 3), float64 [H]."""
+    """The reference's ALiBi slopes (docs/spec.md section 3), float64 [H]."""
 
     def power_of_two(n: int) -> list[float]:
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))

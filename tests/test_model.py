@@ -252,7 +252,7 @@ def test_bfloat16_compute_is_close_to_float32():
     assert jnp.mean(half_logits.argmax(-1) == full_logits.argmax(-1)) > 0.8
 
 
-# Parameter counts of the paper sizes with vocabulary 32768 (spec section 7).
+# Parameter counts of the paper sizes with vocabulary 32768 (docs/spec.md section 7).
 PAPER_COUNTS = {"l6": 49e6, "l8": 98e6, "l12": 121e6, "l15": 275e6, "l18": 525e6, "l24": 1.1e9}
 
 

@@ -1,4 +1,4 @@
-"""Tests for bam_jax.passkey: the prompt format of spec section 10."""
+"""Tests for bam_jax.passkey: the prompt format of docs/spec.md section 10."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ A row is a dict of numpy arrays of length `seq_len`:
                    targets are trained, so that only they need logits
 
 Sources:
-  passkey  synthetic passkey-retrieval prompts (spec section 10) with varied filler, needle
+  passkey  synthetic passkey-retrieval prompts (docs/spec.md section 10) with varied filler, needle
            depth and length; only the answer digits are trained on by default.
   text     local .txt files (one document each) and .jsonl files (one document per line),
            tokenised with BOS/EOS and concatenated with document ids.
