@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
-from flax import nnx
+from flax import nnx, traverse_util
 from flax.nnx import bridge, variablelib
 
 from bam_jax.config import ModelConfig
@@ -47,10 +47,11 @@ def linen_transformer(config: ModelConfig, *, name: str | None = None) -> nn.Mod
 def load_linen_variables(module: nnx.Module, variables: Mapping[str, Any]) -> nnx.Module:
     """Copies the variables of a bridged module (one Linen scope, all collections) into the
     NNX module of the same structure, in place; returns it."""
-    merged: dict[str, Any] = {}
+    flat: dict[tuple, Any] = {}
     for collection in COLLECTIONS:
         if collection in variables:
-            _merge_into(merged, nn.meta.unbox(dict(variables[collection])))
+            flat.update(traverse_util.flatten_dict(nn.meta.unbox(dict(variables[collection]))))
+    merged = traverse_util.unflatten_dict(flat)
     state = nnx.state(module)
     nnx.replace_by_pure_dict(state, merged)
     nnx.update(module, state)
@@ -60,18 +61,8 @@ def load_linen_variables(module: nnx.Module, variables: Mapping[str, Any]) -> nn
 def linen_variables(module: nnx.Module) -> dict[str, dict[str, Any]]:
     """The variables of an NNX module as the bridged Linen module of the same config takes
     them in `apply`: one dict per collection (see COLLECTIONS)."""
-    variables: dict[str, dict[str, Any]] = {}
-    for path, variable in nnx.to_flat_state(nnx.state(module)):
-        node = variables.setdefault(variablelib.variable_name_from_type(variable.type), {})
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = variable.get_value()
-    return variables
-
-
-def _merge_into(target: dict[str, Any], source: Mapping[str, Any]) -> None:
-    for key, value in source.items():
-        if isinstance(value, Mapping):
-            _merge_into(target.setdefault(key, {}), value)
-        else:
-            target[key] = value
+    flat = {
+        (variablelib.variable_name_from_type(variable.type), *path): variable.get_value()
+        for path, variable in nnx.to_flat_state(nnx.state(module))
+    }
+    return traverse_util.unflatten_dict(flat)

@@ -193,7 +193,9 @@ def model_tokenizers(models: list[EvalModel], requested: str | None) -> dict[str
                 f"model {m.name!r} was trained with tokenizer {m.tokenizer!r}, not {spec!r}; "
                 "leave out --tokenizer to use each model's own"
             )
-        tokenizer = loaded.setdefault(spec, get_tokenizer(spec))
+        if spec not in loaded:
+            loaded[spec] = get_tokenizer(spec)
+        tokenizer = loaded[spec]
         if tokenizer.vocab_size > m.config.vocab_size:
             raise ValueError(
                 f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids but model "

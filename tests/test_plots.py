@@ -147,11 +147,10 @@ def test_accuracy_plot_uses_target_lengths_and_a_multiple_axis(captured, tmp_pat
         curves, dict.fromkeys(curves, TRAIN_LENGTH), str(tmp_path / "acc.png"), title="Passkey"
     )
     (fig,) = captured
-    ax = fig.axes[0]
-    xs = np.concatenate([line.get_xdata() for line in ax.get_lines() if line.get_label() in curves])
-    targets = np.array([m * TRAIN_LENGTH for m in MULTIPLES])
-    nearest = targets[np.abs(np.log(xs[:, None] / targets[None])).argmin(1)]
-    np.testing.assert_allclose(xs, nearest, rtol=2 * plots.DODGE_FRACTION * len(curves))
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    targets = np.array([m * TRAIN_LENGTH for m in MULTIPLES], np.float64)
+    for name, style in plots._style(list(curves)).items():
+        np.testing.assert_allclose(lines[name].get_xdata() / style["dodge"], targets, rtol=1e-12)
     top_labels = [t.get_text() for t in fig.findobj(Text)]
     assert "multiple of the training length" in top_labels
     assert overlapping_texts(fig) == []

@@ -354,9 +354,8 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
     data_path = cfg.data.path
     if cfg.data.source == "shards":
         data_path = local_shard_dir(data_path)
-    if cfg.data.source == "text" and data_path.startswith(HF_PREFIX):
-        check_dataset_reader(data_path)
-    elif cfg.data.source != "passkey" and not _path_exists(data_path):
+    streamed = cfg.data.source == "text" and data_path.startswith(HF_PREFIX)
+    if cfg.data.source != "passkey" and not streamed and not _path_exists(data_path):
         raise ValueError(f"data.path: {cfg.data.path!r} does not exist")
     if cfg.data.source == "text":
         check_dataset_reader(data_path)

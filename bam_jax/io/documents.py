@@ -126,8 +126,12 @@ def source_documents(source: str, text_key: str = "text") -> Iterator[Document]:
 def check_dataset_reader(source: str) -> None:
     """A ValueError, before any reading starts, when `source` is a Hugging Face dataset and
     the `datasets` package is missing."""
-    needs_datasets = source.startswith(HF_PREFIX) or is_saved_dataset(source)
-    if needs_datasets and importlib.util.find_spec("datasets") is None:
+    if source.startswith(HF_PREFIX) or is_saved_dataset(source):
+        _require_datasets(source)
+
+
+def _require_datasets(source: str) -> None:
+    if importlib.util.find_spec("datasets") is None:
         raise ValueError(
             f"dataset: reading {source!r} needs the `datasets` package (pip install 'bam-jax[hf]')"
         )
@@ -147,7 +151,7 @@ def iter_dataset_texts(
 def _dataset_documents(
     dataset: str, subset: str | None, split: str, text_key: str
 ) -> Iterator[Document]:
-    check_dataset_reader(dataset if is_saved_dataset(dataset) else HF_PREFIX + dataset)
+    _require_datasets(dataset)
     import datasets
 
     if is_saved_dataset(dataset):

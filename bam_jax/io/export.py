@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from bam_jax.config import ModelConfig
 from bam_jax.io.checkpoints import load_params
@@ -59,10 +59,10 @@ def import_model(folder: str) -> tuple[ModelConfig, Transformer]:
     tensors = _safetensors_numpy().load_file(weights_path)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    expected = {_name(path): value.shape for path, value in _flat_state(abstract)}
-    _check_names_and_shapes(weights_path, expected, tensors)
-    flat = [(path, tensors[_name(path)]) for path, _ in nnx.to_flat_state(state)]
-    nnx.replace_by_pure_dict(state, _nested(flat))
+    flat = _flat_state(abstract)
+    _check_names_and_shapes(weights_path, {_name(p): value.shape for p, value in flat}, tensors)
+    loaded = traverse_util.unflatten_dict({path: tensors[_name(path)] for path, _ in flat})
+    nnx.replace_by_pure_dict(state, loaded)
     return config, nnx.merge(graphdef, state)
 
 
@@ -82,16 +82,6 @@ def _flat_state(model: nnx.Module) -> list[tuple[tuple, Any]]:
 
 def _name(path: tuple) -> str:
     return ".".join(str(key) for key in path)
-
-
-def _nested(flat: Sequence[tuple[tuple, Any]]) -> dict:
-    tree: dict = {}
-    for path, value in flat:
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
 
 
 def _check_names_and_shapes(
