@@ -59,26 +59,14 @@ def loss_sums(parts: ModelParts, params, consts, batch: Batch) -> tuple[jax.Arra
     passkey answers) only those P positions go through the output projection.
     """
     model = parts.merge(params, consts)
+    hidden_BxPxE = model.hidden_states(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    targets_BxP, mask_BxP = batch["targets"], batch["loss_mask"]
     if "loss_positions" in batch:
-        hidden_BxTxE = model.hidden_states(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
         positions_BxP = batch["loss_positions"]
-        hidden_BxPxE = jnp.take_along_axis(hidden_BxTxE, positions_BxP[..., None], axis=1)
-        targets_BxP = jnp.take_along_axis(batch["targets"], positions_BxP, axis=1)
-        mask_BxP = jnp.take_along_axis(batch["loss_mask"], positions_BxP, axis=1)
-        return _masked_cross_entropy(model.logits(hidden_BxPxE), targets_BxP, mask_BxP)
-    logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
-    return _masked_cross_entropy(logits_BxTxV, batch["targets"], batch["loss_mask"])
-
-
-def _masked_cross_entropy(
-    logits_BxPxV: jax.Array, targets_BxP: jax.Array, mask_BxP: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Cross-entropy summed where the mask is 1, and the mask's sum (P: the scored positions,
-    all T of them without `loss_positions`)."""
-    ce_BxP = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxPxV.astype(jnp.float32), targets_BxP
-    )
-    return jnp.sum(ce_BxP * mask_BxP), jnp.sum(mask_BxP)
+        hidden_BxPxE = jnp.take_along_axis(hidden_BxPxE, positions_BxP[..., None], axis=1)
+        targets_BxP = jnp.take_along_axis(targets_BxP, positions_BxP, axis=1)
+        mask_BxP = jnp.take_along_axis(mask_BxP, positions_BxP, axis=1)
+    return model.cross_entropy_sum(hidden_BxPxE, targets_BxP, mask_BxP), jnp.sum(mask_BxP)
 
 
 def make_train_step(parts: ModelParts, tx: optax.GradientTransformation) -> Callable:
