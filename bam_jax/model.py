@@ -28,6 +28,7 @@ from flax import nnx
 from bam_jax.attention import dot_product_attention
 from bam_jax.config import ModelConfig
 from bam_jax.kv_cache import KVCache
+from bam_jax.losses import output_cross_entropy
 from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
 from bam_jax.priors import GGDPrior, Prior, init_ggd_prior
 
@@ -62,6 +63,18 @@ def _annotated(init: Callable, axes: Axes) -> Callable:
     return nnx.with_metadata(init, out_sharding=axes, eager_sharding=False)
 
 
+class Linear(nnx.Linear):
+    """`nnx.Linear` applied to its input flattened to [rows, in].
+
+    Same parameters and result; XLA's CPU backend runs a 2-D product and its gradient
+    about 1.8x faster than the same product on a [B, T, in] input (docs/benchmarks.md).
+    """
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        rows = super().__call__(inputs.reshape(-1, inputs.shape[-1]))
+        return rows.reshape(*inputs.shape[:-1], rows.shape[-1])
+
+
 def _linear(
     in_dim: int,
     out_dim: int,
@@ -70,13 +83,13 @@ def _linear(
     rngs: nnx.Rngs,
     *,
     float32_result: bool = False,
-) -> nnx.Linear:
+) -> Linear:
     """A bias-free linear layer: float32 kernel, inputs and kernel cast to the compute dtype.
 
     float32_result: accumulate and return in float32 (layers that write to the residual
     stream, and the output layer); otherwise the result is in the compute dtype.
     """
-    return nnx.Linear(
+    return Linear(
         in_dim,
         out_dim,
         use_bias=False,
@@ -345,6 +358,19 @@ class Transformer(nnx.Module):
     def logits(self, hidden_BxTxE: jax.Array) -> jax.Array:
         """float32 logits from final hidden states (any leading shape)."""
         return self.output(hidden_BxTxE).astype(jnp.float32)
+
+    def cross_entropy_sum(
+        self, hidden_BxPxE: jax.Array, targets_BxP: jax.Array, weights_BxP: jax.Array
+    ) -> jax.Array:
+        """sum(weights * cross-entropy of `logits(hidden)` against targets), float32, without
+        materialising the [B, P, V] logits (`bam_jax.losses.output_cross_entropy`)."""
+        return output_cross_entropy(
+            hidden_BxPxE,
+            self.output.kernel[...],
+            targets_BxP,
+            weights_BxP,
+            compute_dtype=self.config.dtype,
+        )
 
     def hidden_states(
         self,
