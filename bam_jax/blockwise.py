@@ -371,29 +371,35 @@ def _tile_bias_transposed(static: _Static, bias_vec_HxX: jax.Array) -> jax.Array
     return jnp.transpose(bias, (0, 2, 1, 3)).reshape(static.kv_heads, static.block_k, -1)
 
 
+def _query_scale(static: _Static, scale_KxG, log_n_BxT, q_start, batch: int, head_dim: int):
+    """What a query block's rows are multiplied by before q.k: 1/sqrt(D), times SSMax's
+    s_h * log(n_i) as [I, J, 1] (a scalar without SSMax), and the factor [I, J, 1] the
+    prior is multiplied by (None: added unscaled)."""
+    inv_sqrt_d = jnp.float32(1.0 / math.sqrt(head_dim))
+    if scale_KxG is None:
+        return inv_sqrt_d, None
+    factor_IxJx1 = _ssmax_factor(static, scale_KxG, log_n_BxT, q_start, batch)[..., None]
+    return factor_IxJx1 * inv_sqrt_d, factor_IxJx1 if static.prior_inside else None
+
+
 def _tile_logits(
     static: _Static,
-    q_IxJxD: jax.Array,
+    q_scaled_IxJxD: jax.Array,
     k_IxNxD: jax.Array,
     bias_table: jax.Array | None,
-    scale_KxG: jax.Array | None,
-    log_n_BxT: jax.Array | None,
+    bias_factor_IxJx1: jax.Array | None,
     q_start: jax.Array,
     k_start: jax.Array,
 ) -> jax.Array:
-    """Unmasked float32 logits [I, J, N] of one tile."""
-    batch = q_IxJxD.shape[0] // static.kv_heads
-    logits = lax.dot_general(q_IxJxD, k_IxNxD, _NT) / jnp.float32(math.sqrt(q_IxJxD.shape[-1]))
-    bias = None
-    if bias_table is not None:
-        bias_vec = _bias_vector(static, bias_table, q_start, k_start)
-        bias = _tile_bias(static, bias_vec, batch)
-    if scale_KxG is not None:
-        factor_IxJx1 = _ssmax_factor(static, scale_KxG, log_n_BxT, q_start, batch)[..., None]
-        if bias is not None and static.prior_inside:
-            return (logits + bias) * factor_IxJx1
-        logits = logits * factor_IxJx1
-    return logits if bias is None else logits + bias
+    """Unmasked float32 logits [I, J, N] of one tile from queries already multiplied by
+    `_query_scale`: (q.k / sqrt(D) + bias) * factor is q * (factor / sqrt(D)) . k +
+    bias * factor, so the content term costs no per-logit scaling."""
+    logits = lax.dot_general(q_scaled_IxJxD, k_IxNxD, _NT)
+    if bias_table is None:
+        return logits
+    bias_vec = _bias_vector(static, bias_table, q_start, k_start)
+    bias = _tile_bias(static, bias_vec, q_scaled_IxJxD.shape[0] // static.kv_heads)
+    return logits + (bias if bias_factor_IxJx1 is None else bias * bias_factor_IxJx1)
 
 
 def _slice_or_none(x: jax.Array | None, start, size: int, axis: int = 1) -> jax.Array | None:
@@ -415,19 +421,22 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
         out, lse = carry
         q_start = qb * bq
         q_tile = _rows_tile(static, q, q_start, bq)
+        q_scale, bias_factor = _query_scale(static, scale, log_n, q_start, batch, q.shape[-1])
+        q_scaled = q_tile * q_scale
         q_seg_tile = _slice_or_none(q_seg, q_start, bq)
         q_pos = q_start + offset + jnp.arange(bq, dtype=jnp.int32)
 
-        def key_block(kb, state):
+        def key_block(kb, state, *, masked: bool):
             m, denom, acc = state
             k_start = kb * bk
             k_tile, v_tile = _keys_tile(k, k_start, bk), _keys_tile(v, k_start, bk)
-            k_seg_tile = _slice_or_none(k_seg, k_start, bk)
-            mask = _tile_mask(static, q_pos, k_start + jnp.arange(bk), q_seg_tile, k_seg_tile)
             logits = _tile_logits(
-                static, q_tile, k_tile, bias_table, scale, log_n, q_start, k_start
+                static, q_scaled, k_tile, bias_table, bias_factor, q_start, k_start
             )
-            logits = jnp.where(_expand_rows(static, mask, batch), logits, _NEG_INF)
+            if masked:
+                k_seg_tile = _slice_or_none(k_seg, k_start, bk)
+                mask = _tile_mask(static, q_pos, k_start + jnp.arange(bk), q_seg_tile, k_seg_tile)
+                logits = jnp.where(_expand_rows(static, mask, batch), logits, _NEG_INF)
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
             p = jnp.exp(logits - m_safe[..., None])
@@ -443,7 +452,11 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
             jnp.zeros(q_tile.shape, jnp.float32),
         )
         lo, hi = static.mask.key_blocks(q_start + offset, bq, bk)
-        m, denom, acc = lax.fori_loop(lo, hi, key_block, init)
+        full = static.mask.full_key_blocks_stop(q_start + offset, bk, lo, hi, q_seg is not None)
+        # Blocks every query of the block sees need no mask; the rest (the diagonal, windows,
+        # documents) do.
+        state = lax.fori_loop(lo, full, functools.partial(key_block, masked=False), init)
+        m, denom, acc = lax.fori_loop(full, hi, functools.partial(key_block, masked=True), state)
         seen = denom > 0
         safe_denom = jnp.where(seen, denom, 1.0)
         out_tile = _rows_to_bthd(static, acc / safe_denom[..., None], batch).astype(out.dtype)
