@@ -4,11 +4,14 @@
     python bench/attention_bench.py --lengths 4096 --block-q 512 --block-k 512
 
 Batch 1, 8 heads, head dim 64, float32, causal, on the default JAX backend, for three
-configurations: no prior, the GGD prior, GGD + SSMax. Times are jit-compiled runs
-(compilation excluded): the median wall time, and the median process CPU time, which
-is steadier on a shared machine. Memory is the compiled executable's temporary
-buffer size (deterministic; arguments and results excluded). The reference is skipped
-where its temporaries would exceed --reference-limit-gb.
+configurations: no prior, the GGD prior, GGD + SSMax. Times are the median wall time of
+jit-compiled runs (compilation excluded): run it on an otherwise idle machine. The float32
+matmul rate is measured before and after every length, and each time is also given as
+the rate of the attention's causal matmul FLOPs (forward 2 x 2 x T^2/2 x D x H; forward +
+backward 3.5x that: the backward recomputes QK^T) in % of the mean matmul rate. Memory is
+the compiled executable's temporary buffer size (deterministic; arguments and results
+excluded). The reference is skipped where its temporaries would exceed
+--reference-limit-gb.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from matmul_rate import matmul_gflops
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.priors import init_ggd_prior
@@ -62,23 +66,27 @@ def forward_backward_fn(attend: Callable) -> Callable:
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
 
 
-def measure(compiled, args: tuple, repeats: int, warmup: bool) -> tuple[float, float]:
-    """Median wall and CPU seconds per call."""
+def measure(compiled, args: tuple, repeats: int, warmup: bool) -> float:
+    """Median wall seconds per call."""
     if warmup:
         jax.block_until_ready(compiled(*args))
-    walls, cpus = [], []
+    walls = []
     for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
+        start = time.perf_counter()
         jax.block_until_ready(compiled(*args))
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return statistics.median(walls), statistics.median(cpus)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
 
 
-def bench_one(length: int, config: str, implementation: str, args) -> dict:
+def forward_flops(length: int) -> float:
+    """Causal QK^T and PV: 2 products x 2 FLOPs x T^2 / 2 pairs x D x H."""
+    return 2.0 * length * length * HEAD_DIM * HEADS
+
+
+def bench_one(length: int, config: str, implementation: str, args, gflops: float) -> dict:
     inputs = make_inputs(length)
     forward = forward_fn(config, implementation, args.block_q, args.block_k)
-    row = {"length": length, "config": config, "impl": implementation}
+    row = {"length": length, "config": config, "impl": implementation, "matmul": gflops}
     long_run = length >= (4096 if implementation == "reference" else 16384)
     repeats = args.long_repeats if long_run else args.repeats
     for name, fn in (("fwd", forward), ("both", forward_backward_fn(forward))):
@@ -87,39 +95,46 @@ def bench_one(length: int, config: str, implementation: str, args) -> dict:
         if implementation == "reference" and temp_mb > args.reference_limit_gb * 1024:
             return row
         row[f"{name}_mb"] = temp_mb
-        row[f"{name}_wall"], row[f"{name}_cpu"] = measure(compiled, inputs, repeats, not long_run)
+        row[f"{name}_wall"] = measure(compiled, inputs, repeats, not long_run)
     return row
 
 
 def format_row(row: dict) -> str:
     head = [str(row["length"]), row["config"], row["impl"]]
     if "both_mb" not in row:
-        return "| " + " | ".join([*head, "does not fit", "", "", "", "", ""]) + " |"
+        return "| " + " | ".join([*head, "does not fit", "", "", "", "", "", ""]) + " |"
+    flops = forward_flops(row["length"])
+    fwd_share = flops / row["fwd_wall"] / 1e9 / row["matmul"]
+    both_share = 3.5 * flops / row["both_wall"] / 1e9 / row["matmul"]
     cells = [
-        f"{row['fwd_wall'] * 1e3:.0f} / {row['fwd_cpu'] * 1e3:.0f}",
+        f"{row['fwd_wall'] * 1e3:.0f}",
+        f"{fwd_share:.0%}",
         f"{row['fwd_mb']:.1f}",
-        f"{row['both_wall'] * 1e3:.0f} / {row['both_cpu'] * 1e3:.0f}",
+        f"{row['both_wall'] * 1e3:.0f}",
+        f"{both_share:.0%}",
         f"{row['both_mb']:.1f}",
+        f"{row['matmul']:.0f}",
     ]
-    qkv_mb = row["length"] * HEADS * HEAD_DIM * 4 / 2**20
-    return "| " + " | ".join([*head, *cells, f"{qkv_mb:.0f}"]) + " |"
+    return "| " + " | ".join([*head, *cells]) + " |"
+
+
+HEADER = (
+    "| tokens | prior | impl | fwd ms | fwd % of matmul | fwd temp MB | fwd+bwd ms "
+    "| fwd+bwd % of matmul | fwd+bwd temp MB | matmul GFLOP/s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def print_tables(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\nblock_q={args.block_q} block_k={args.block_k}; {jax.devices()[0].platform}, "
-        f"batch 1, {HEADS} heads, head dim {HEAD_DIM}, float32, causal; "
-        "times as wall / CPU ms\n"
+        f"batch 1, {HEADS} heads, head dim {HEAD_DIM}, float32, causal; wall times\n"
     )
-    print(
-        "| tokens | prior | impl | fwd ms | fwd temp MB | fwd+bwd ms | fwd+bwd temp MB "
-        "| one of q/k/v MB |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print(HEADER)
     for row in rows:
         print(format_row(row))
     found = {(r["length"], r["config"], r["impl"]): r for r in rows if "both_mb" in r}
-    print("\nBlockwise prior overhead (CPU time, relative to the same call without a prior)\n")
+    print("\nBlockwise prior overhead (wall time, relative to the same call without a prior)\n")
     print("| tokens | GGD fwd | GGD fwd+bwd | GGD+SSMax fwd | GGD+SSMax fwd+bwd |")
     print("|---|---|---|---|---|")
     for length in args.lengths:
@@ -130,7 +145,7 @@ def print_tables(rows: list[dict], args: argparse.Namespace) -> None:
         for config in ("ggd", "ggd+ssmax"):
             row = found.get((length, config, "blockwise"))
             for name in ("fwd", "both"):
-                cells.append(f"{row[f'{name}_cpu'] / base[f'{name}_cpu']:.2f}x" if row else "")
+                cells.append(f"{row[f'{name}_wall'] / base[f'{name}_wall']:.2f}x" if row else "")
         print(f"| {length} | " + " | ".join(cells) + " |")
 
 
@@ -151,11 +166,17 @@ def main() -> None:
     parser.add_argument("--reference-limit-gb", type=float, default=4.0)
     args = parser.parse_args()
     rows = []
+    print(HEADER)
     for length in args.lengths:
+        before = matmul_gflops()
+        first = len(rows)
         for config in args.configs:
             for implementation in args.implementations:
-                rows.append(bench_one(length, config, implementation, args))
-                print(format_row(rows[-1]), flush=True)
+                rows.append(bench_one(length, config, implementation, args, before))
+        gflops = (before + matmul_gflops()) / 2
+        for row in rows[first:]:
+            row["matmul"] = gflops
+            print(format_row(row), flush=True)
     print_tables(rows, args)
 
 

@@ -27,6 +27,8 @@ from bam_jax.reference_checkpoint import load_reference_checkpoint
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
 
 REFERENCE_WEIGHTS = ("model.pt", "model.npz")
+# Attention blocks of inference when none are given: ModelConfig's default.
+INFERENCE_BLOCK = ModelConfig.block_q
 
 
 @dataclasses.dataclass
@@ -216,16 +218,16 @@ def for_inference(
 ) -> Transformer:
     """The same weights under an inference configuration: the platform's attention (the
     fused Pallas kernel on GPU/TPU, blockwise elsewhere) unless given, unrolled layers (the
-    cache is then updated in place), no remat, optional blocks and dtype."""
+    cache is then updated in place), no remat, optional dtype, and attention blocks
+    `block_q` x `block_k`, by default ModelConfig's (not the blocks the model was trained
+    with, which may be sized for short training rows)."""
     changes: dict[str, Any] = {
         "attention_impl": attention_impl or default_implementation(),
         "remat": False,
         "scan_layers": False,
+        "block_q": block_q or INFERENCE_BLOCK,
+        "block_k": block_k or INFERENCE_BLOCK,
     }
-    if block_q is not None:
-        changes["block_q"] = block_q
-    if block_k is not None:
-        changes["block_k"] = block_k
     if dtype is not None:
         changes["dtype"] = dtype
     if model.config.replace(**changes) == model.config:
