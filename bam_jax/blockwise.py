@@ -376,35 +376,30 @@ def _tile_bias_transposed(static: _Static, bias_vec_HxX: jax.Array) -> jax.Array
     return jnp.transpose(bias, (0, 2, 1, 3)).reshape(static.kv_heads, static.block_k, -1)
 
 
-def _query_scale(static: _Static, scale_KxG, log_n_BxT, q_start, batch: int, head_dim: int):
-    """What a query block's rows are multiplied by before q.k: 1/sqrt(D), times SSMax's
-    s_h * log(n_i) as [I, J, 1] (a scalar without SSMax), and the factor [I, J, 1] the
-    prior is multiplied by (None: added unscaled)."""
-    inv_sqrt_d = jnp.float32(1.0 / math.sqrt(head_dim))
-    if scale_KxG is None:
-        return inv_sqrt_d, None
-    factor_IxJx1 = _ssmax_factor(static, scale_KxG, log_n_BxT, q_start, batch)[..., None]
-    return factor_IxJx1 * inv_sqrt_d, factor_IxJx1 if static.prior_inside else None
-
-
 def _tile_logits(
     static: _Static,
-    q_scaled_IxJxD: jax.Array,
+    q_IxJxD: jax.Array,
     k_IxNxD: jax.Array,
     bias_table: jax.Array | None,
-    bias_factor_IxJx1: jax.Array | None,
+    scale_KxG: jax.Array | None,
+    log_n_BxT: jax.Array | None,
     q_start: jax.Array,
     k_start: jax.Array,
 ) -> jax.Array:
-    """Unmasked float32 logits [I, J, N] of one tile from queries already multiplied by
-    `_query_scale`: (q.k / sqrt(D) + bias) * factor is q * (factor / sqrt(D)) . k +
-    bias * factor, so the content term costs no per-logit scaling."""
-    logits = lax.dot_general(q_scaled_IxJxD, k_IxNxD, _NT)
-    if bias_table is None:
-        return logits
-    bias_vec = _bias_vector(static, bias_table, q_start, k_start)
-    bias = _tile_bias(static, bias_vec, q_scaled_IxJxD.shape[0] // static.kv_heads)
-    return logits + (bias if bias_factor_IxJx1 is None else bias * bias_factor_IxJx1)
+    """Unmasked float32 logits [I, J, N] of one tile, in the order of operations the
+    backward pass recomputes them in (so that its probabilities sum to 1 as the forward's)."""
+    batch = q_IxJxD.shape[0] // static.kv_heads
+    logits = lax.dot_general(q_IxJxD, k_IxNxD, _NT) / jnp.float32(math.sqrt(q_IxJxD.shape[-1]))
+    bias = None
+    if bias_table is not None:
+        bias_vec = _bias_vector(static, bias_table, q_start, k_start)
+        bias = _tile_bias(static, bias_vec, batch)
+    if scale_KxG is not None:
+        factor_IxJx1 = _ssmax_factor(static, scale_KxG, log_n_BxT, q_start, batch)[..., None]
+        if bias is not None and static.prior_inside:
+            return (logits + bias) * factor_IxJx1
+        logits = logits * factor_IxJx1
+    return logits if bias is None else logits + bias
 
 
 def _slice_or_none(x: jax.Array | None, start, size: int, axis: int = 1) -> jax.Array | None:
@@ -426,8 +421,6 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
         out, lse = carry
         q_start = qb * bq
         q_tile = _rows_tile(static, q, q_start, bq)
-        q_scale, bias_factor = _query_scale(static, scale, log_n, q_start, batch, q.shape[-1])
-        q_scaled = q_tile * q_scale
         q_seg_tile = _slice_or_none(q_seg, q_start, bq)
         q_pos = q_start + offset + jnp.arange(bq, dtype=jnp.int32)
 
@@ -436,7 +429,7 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
             k_start = kb * bk
             k_tile, v_tile = _keys_tile(k, k_start, bk), _keys_tile(v, k_start, bk)
             logits = _tile_logits(
-                static, q_scaled, k_tile, bias_table, bias_factor, q_start, k_start
+                static, q_tile, k_tile, bias_table, scale, log_n, q_start, k_start
             )
             if masked:
                 k_seg_tile = _slice_or_none(k_seg, k_start, bk)

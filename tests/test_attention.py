@@ -196,6 +196,9 @@ DEFAULT_CASES = [
         batch=1,
     ),
     Case(q_len=64, kv_len=1000, offset=500, traced_offset=True, block_q=32, block_k=128, batch=1),
+    # Odd batches: the prior gradient's batch sum halves [5, ...] into 2 + 2 + 1 rows.
+    Case(q_len=50, block_q=16, block_k=16, theta_beta=0.7, ssmax=True, batch=5),
+    Case(q_len=33, block_q=16, block_k=32, theta_beta=-0.6, documents=True, batch=3),
     # theta_beta near -8: the prior at d = mu saturates instead of overflowing to inf.
     Case(q_len=70, block_q=16, block_k=32, theta_beta=-8.0, documents=True, ssmax=True),
     Case(
