@@ -437,3 +437,32 @@ def test_pallas_on_cpu_names_options_that_exist():
     x = jnp.zeros((1, 8, 2, 8))
     with pytest.raises(ValueError, match=r"implementation='blockwise'.*pallas_attention\(\.\.\., "):
         dot_product_attention(x, x, x, implementation="pallas")
+
+
+def test_steep_prior_with_ssmax_far_behind_the_cache_stays_finite() -> None:
+    # Priors a quick-start model learned: a steep head (beta 3.1) whose bias reaches -7e9 at
+    # 8k tokens, scaled by SSMax, for a prefill chunk 7680 tokens into the cache.
+    prior = GGDPrior(
+        jnp.log(jnp.array([14.666, 0.131, 0.011, 0.004], jnp.float32)),
+        jnp.array([-0.602, 2.395, -0.128, 3.099], jnp.float32),
+        jnp.zeros((4,), jnp.float32),
+    )
+    scale = jnp.array([0.307, 0.26, 0.251, 0.083], jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, 512, 4, 16))
+    k, v = (jax.random.normal(key, (1, 8192, 4, 16)) for key in keys[1:])
+    outs = [
+        dot_product_attention(
+            q,
+            k,
+            v,
+            prior=prior,
+            ssmax_scale_H=scale,
+            query_offset=jnp.int32(7680),
+            implementation=impl,
+            block_q=256,
+            block_k=256,
+        )
+        for impl in ("reference", "blockwise")
+    ]
+    assert_close(outs[1], outs[0], 1e-5, "output")
