@@ -15,8 +15,13 @@ in how tiles reach it:
 
 Logits are formed in log2 units (softmax via exp2) and in float32. The GGD prior
 -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta and ALiBi -slope * |d| are evaluated
-per tile from positions; nothing of size T x S is built. SSMax uses n_i, the number of
-keys query i can see, computed outside the kernel in O((T + S) log S).
+per tile from positions (distances from float iotas, one log2 and one exp2 per GGD
+element, the saturation limit precomputed per head); nothing of size T x S is built.
+With `prior_table=True` (and for any other Prior) the prior is instead evaluated once per
+head on every distance, a table [H, S + T - 1] computed by `prior.bias` outside the
+kernel, and each tile reads its Toeplitz slice of it (a gather on GPU, a strided lane
+rotation on TPU): no transcendental per element for the prior. SSMax uses n_i, the
+number of keys query i can see, computed outside the kernel in O((T + S) log S).
 
 The backward pass is a custom VJP running the blockwise implementation's flash-style
 backward (`bam_jax.blockwise.flash_backward`) on the kernel's output and log-sum-exp.
@@ -34,12 +39,13 @@ from jax.experimental import pallas as pl
 
 from bam_jax.attention_inputs import checked_attention
 from bam_jax.blockwise import flash_backward
-from bam_jax.kernels.gpu import gpu_forward
+from bam_jax.kernels.gpu import gpu_defaults, gpu_forward
 from bam_jax.kernels.tile_math import (
     NUM_HEAD_PARAMS,
     AuxInputs,
     Backend,
     KernelConfig,
+    ggd_limit,
     pad_to,
     round_up,
 )
@@ -47,10 +53,15 @@ from bam_jax.kernels.tpu import tpu_forward
 from bam_jax.masking import AttentionMask, log_visible_count
 from bam_jax.priors import AlibiPrior, GGDPrior, Prior, ggd_mu
 
-GPU_MAX_BLOCK_Q = 128
-GPU_MAX_BLOCK_K = 64
+GPU_MAX_BLOCK_Q = 256
+GPU_MAX_BLOCK_K = 128
+GPU_MIN_BLOCK = 16  # tensor-core dots need both tile sides >= 16
 TPU_LANES = 128
 BACKWARD_BLOCK = 512
+
+
+TPU_DEFAULT_BLOCK_Q = 256
+TPU_DEFAULT_BLOCK_K = 512
 
 
 @checked_attention
@@ -73,8 +84,10 @@ def pallas_attention(
     interpret: bool = False,
     approx_math: bool = True,
     prior_reuse: bool = True,
+    prior_table: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    debug: bool = False,
 ) -> jax.Array:
     """Attention output [B, T, H, D], the same function as `reference_attention`.
 
@@ -82,19 +95,26 @@ def pallas_attention(
         trusted, so the kernel can be lowered for another platform (`jax.jit(f).trace(...)
         .lower(lowering_platforms=("tpu",))`). On CPU pass a backend and `interpret=True`
         (Pallas interpret mode; "tpu" then uses TPU interpret semantics).
-    block_q, block_k: tile sizes (None = backend default). On GPU they are capped at 128
-        and 64 (register file; the defaults); on TPU a key block smaller than the keys is
-        rounded to a multiple of 128 lanes.
+    block_q, block_k: tile sizes (None = the backend's default for the head dim,
+        GPU_DEFAULTS / TPU_DEFAULT_BLOCK_*). On GPU powers of two with
+        16 <= block_q <= 256 and 16 <= block_k <= 128 (anything else raises), lowered to
+        the next power of two of a shorter sequence. On TPU multiples of 8; a compiled
+        key block is a multiple of 128 lanes (the keys are padded to it).
     approx_math: on a compiled GPU kernel, use the hardware approximate exp2/log2 for the
         prior and softmax (about 2 ulp). Ignored in interpret mode and on TPU.
     prior_reuse: on GPU with block_q a multiple of block_k, evaluate each GGD tile once
-        and reuse it for the next query sub-block (see `_kernel`).
-    num_warps, num_stages: Triton launch parameters (None = defaults by head dim).
+        and reuse it for the next query sub-block (see bam_jax/kernels/gpu.py).
+    prior_table: read the prior from a per-head table over distances instead of
+        evaluating it per element; always on for priors other than GGD and ALiBi.
+    num_warps, num_stages: Triton launch parameters (None = GPU_DEFAULTS by head dim).
+    debug: print the kernel's jaxpr and its Triton / Mosaic module when it is lowered.
     """
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
     backend = _resolve_backend(backend)
-    block_q, block_k = _choose_blocks(backend, interpret, q_len, kv_len, block_q, block_k)
+    block_q, block_k = _choose_blocks(backend, interpret, head_dim, q_len, kv_len, block_q, block_k)
+    prior_kind = _prior_kind(prior)
+    prior_table = prior_kind == "other" or (prior_table and prior_kind != "none")
     config = KernelConfig(
         backend=backend,
         interpret=interpret,
@@ -105,14 +125,16 @@ def pallas_attention(
         head_dim=head_dim,
         groups=num_heads // num_kv_heads,
         mask=AttentionMask(causal, window, kv_len),
-        prior_kind=_prior_kind(prior),
+        prior_kind=prior_kind,
         ssmax=ssmax_scale_H is not None,
         prior_inside=ssmax_prior_inside,
         segments=query_segment_ids_BxT is not None,
         num_warps=num_warps,
         num_stages=num_stages,
+        prior_table=prior_table,
+        debug=debug,
     )
-    if prior_reuse and backend == "gpu" and config.prior_kind == "ggd":
+    if prior_reuse and backend == "gpu" and prior_kind == "ggd" and not prior_table:
         config = dataclasses.replace(config, q_splits=_reuse_splits(block_q, block_k))
     offset = jnp.asarray(query_offset, jnp.int32).reshape(1)
     log_n_BxT = None
@@ -121,7 +143,11 @@ def pallas_attention(
             q_len, offset[0], query_segment_ids_BxT, key_segment_ids_BxS
         )
         log_n_BxT = jnp.broadcast_to(log_visible_count(counts), (batch, q_len))
-    aux = AuxInputs(log_n_BxT, query_segment_ids_BxT, key_segment_ids_BxS, offset)
+    table = None
+    if prior_table:
+        distances = prior_table_distances(config, offset[0])
+        table = -jax.lax.stop_gradient(prior.bias(distances)).astype(jnp.float32)
+    aux = AuxInputs(log_n_BxT, query_segment_ids_BxT, key_segment_ids_BxS, offset, table)
     return _attention(config, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, prior, ssmax_scale_H, aux)
 
 
@@ -144,22 +170,49 @@ def _resolve_backend(backend: Backend | None) -> Backend:
 def _choose_blocks(
     backend: Backend,
     interpret: bool,
+    head_dim: int,
     q_len: int,
     kv_len: int,
     block_q: int | None,
     block_k: int | None,
 ) -> tuple[int, int]:
     if backend == "gpu":
-        # Triton tiles: powers of two, >= 16 for tensor-core dots.
-        bq = min(block_q or 128, GPU_MAX_BLOCK_Q, pl.next_power_of_2(max(q_len, 16)))
-        bk = min(block_k or 64, GPU_MAX_BLOCK_K, pl.next_power_of_2(max(kv_len, 16)))
-        return max(16, pl.next_power_of_2(bq)), max(16, pl.next_power_of_2(bk))
-    bq = min(block_q or 512, round_up(q_len, 8))
-    bq = round_up(bq, 8)
-    # Compiled Mosaic needs key blocks of whole 128-lane tiles (or all keys at once).
+        defaults = gpu_defaults(head_dim)
+        bq = _gpu_block("block_q", block_q or defaults.block_q, GPU_MAX_BLOCK_Q)
+        bk = _gpu_block("block_k", block_k or defaults.block_k, GPU_MAX_BLOCK_K)
+        return (
+            min(bq, max(GPU_MIN_BLOCK, pl.next_power_of_2(q_len))),
+            min(bk, max(GPU_MIN_BLOCK, pl.next_power_of_2(kv_len))),
+        )
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is not None and (value <= 0 or value % 8):
+            raise ValueError(f"{name} must be a positive multiple of 8 on TPU, got {value}")
+    bq = min(block_q or TPU_DEFAULT_BLOCK_Q, round_up(q_len, 8))
+    # Compiled Mosaic needs key blocks of whole 128-lane tiles; the keys are padded to them.
     lanes = 8 if interpret else TPU_LANES
-    bk = round_up(block_k or 512, lanes)
-    return bq, round_up(kv_len, 8) if bk >= kv_len else bk
+    bk = round_up(min(block_k or TPU_DEFAULT_BLOCK_K, round_up(kv_len, 8)), lanes)
+    return bq, bk
+
+
+def _gpu_block(name: str, value: int, largest: int) -> int:
+    is_power_of_two = value > 0 and value & (value - 1) == 0
+    if not is_power_of_two or not GPU_MIN_BLOCK <= value <= largest:
+        raise ValueError(
+            f"{name} must be a power of two from {GPU_MIN_BLOCK} to {largest} on GPU "
+            f"(Triton tiles), got {value}"
+        )
+    return value
+
+
+def prior_table_distances(config: KernelConfig, offset: jax.Array) -> jax.Array:
+    """The distances k_pos - q_pos of the prior table, ascending, float32 [X].
+
+    Entry t is t - (T_pad - 1) - offset: the key at padded position k and the query at
+    position offset + i (i < T_pad) meet at entry k - i + T_pad - 1, whatever the offset.
+    """
+    size = config.padded_kv_len + config.padded_q_len - 1
+    first = -(config.padded_q_len - 1) - offset
+    return (first + jnp.arange(size, dtype=jnp.int32)).astype(jnp.float32)
 
 
 def _reuse_splits(block_q: int, block_k: int) -> int:
@@ -169,16 +222,14 @@ def _reuse_splits(block_q: int, block_k: int) -> int:
     return block_q // block_k
 
 
-def _prior_kind(prior: Prior | None) -> Literal["none", "ggd", "alibi"]:
+def _prior_kind(prior: Prior | None) -> Literal["none", "ggd", "alibi", "other"]:
     if prior is None:
         return "none"
     if isinstance(prior, GGDPrior):
         return "ggd"
     if isinstance(prior, AlibiPrior):
         return "alibi"
-    raise NotImplementedError(
-        f"the pallas kernel computes GGDPrior and AlibiPrior in-kernel; got {type(prior).__name__}"
-    )
+    return "other"
 
 
 def _head_params(config: KernelConfig, prior: Prior | None, ssmax_scale_H, num_heads: int):
@@ -187,6 +238,7 @@ def _head_params(config: KernelConfig, prior: Prior | None, ssmax_scale_H, num_h
         columns[0] = jnp.exp(prior.theta_alpha_H.astype(jnp.float32))
         columns[1] = prior.theta_beta_H.astype(jnp.float32)
         columns[2] = ggd_mu(prior.theta_mu_H.astype(jnp.float32))
+        columns[4] = ggd_limit(prior.theta_alpha_H)
     elif config.prior_kind == "alibi":
         columns[0] = prior.slopes_H.astype(jnp.float32)
     if ssmax_scale_H is not None:
@@ -210,7 +262,9 @@ def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
         k_seg = pad_to(aux.k_seg_BxS.astype(jnp.int32), 1, kv_pad, -1)[:, None, :]
     head_params = _head_params(config, prior, ssmax_scale_H, num_heads)
     run = gpu_forward if config.backend == "gpu" else tpu_forward
-    out, lse = run(config, q_p, k_p, v_p, head_params, log_n, q_seg, k_seg, aux.offset_1)
+    out, lse = run(
+        config, q_p, k_p, v_p, head_params, log_n, q_seg, k_seg, aux.offset_1, aux.prior_table_HxX
+    )
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len, 0]
 
 

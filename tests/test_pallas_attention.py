@@ -8,6 +8,7 @@ CUDA (Triton IR) and TPU (Mosaic) without a device; compiling them needs the har
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -17,6 +18,7 @@ import pytest
 
 from bam_jax import attention
 from bam_jax.attention import default_implementation, dot_product_attention, reference_attention
+from bam_jax.kernels.lowering import kernel_modules, lower_for, tile_op_counts
 from bam_jax.masking import AttentionMask, visibility_mask
 from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
@@ -43,6 +45,7 @@ class Case:
     causal: bool = True
     window: int | None = None
     batch: int = 2
+    prior_table: bool = False
 
     @property
     def keys(self) -> int:
@@ -108,6 +111,7 @@ def run_kernel(case: Case, backend: str, inputs: dict, **overrides) -> jax.Array
         block_k=case.block_k,
         backend=backend,
         interpret=True,
+        prior_table=case.prior_table,
     )
 
 
@@ -174,15 +178,22 @@ DEFAULT_VALUE_CASES = {
         q_len=40, betas=(-8.0, -30.0), documents=True, ssmax=True, prior_inside=False
     ),
 }
+TABLE_CASES = ("documents_ssmax_inside_gqa_hd48", "saturated_prior_documents_ssmax_outside")
 
 
 @pytest.mark.parametrize(
-    ("name", "backend"),
-    [(name, "gpu") for name in sorted(DEFAULT_VALUE_CASES)]
-    + [("documents_ssmax_inside_gqa_hd48", "tpu"), ("chunked_prefill_alibi_ssmax_outside", "tpu")],
+    ("name", "backend", "prior_table"),
+    [(name, "gpu", False) for name in sorted(DEFAULT_VALUE_CASES)]
+    + [(name, "gpu", True) for name in TABLE_CASES]
+    + [
+        ("documents_ssmax_inside_gqa_hd48", "tpu", False),
+        ("chunked_prefill_alibi_ssmax_outside", "tpu", False),
+        ("chunked_prefill_alibi_ssmax_outside", "tpu", True),
+    ],
 )
-def test_values_match_reference(name: str, backend: str) -> None:
-    inputs, out = check_values(DEFAULT_VALUE_CASES[name], backend)
+def test_values_match_reference(name: str, backend: str, prior_table: bool) -> None:
+    case = dataclasses.replace(DEFAULT_VALUE_CASES[name], prior_table=prior_table)
+    inputs, out = check_values(case, backend)
     if inputs["q_seg"] is not None:
         padding = np.asarray(inputs["q_seg"]) < 0
         assert padding.any()
@@ -263,15 +274,59 @@ def test_bad_arguments_raise() -> None:
             query_segment_ids_BxT=jnp.zeros((batch, 8), jnp.int32),
             key_segment_ids_BxS=jnp.zeros((1, keys), jnp.int32),
         )
+    for block_q, block_k, message in ((512, 64, "block_q"), (128, 256, "block_k"), (48, 64, "")):
+        with pytest.raises(ValueError, match=f"{message or 'block_q'} must be a power of two"):
+            pallas_attention(
+                inputs["q"],
+                inputs["k"],
+                inputs["v"],
+                backend="gpu",
+                interpret=True,
+                block_q=block_q,
+                block_k=block_k,
+            )
+    with pytest.raises(ValueError, match="block_k must be a positive multiple of 8 on TPU"):
+        run_kernel(dataclasses.replace(case, block_k=20), "tpu", inputs)
 
-    class OtherPrior:
-        num_heads = 4
 
-        def bias(self, distance):
-            return jnp.zeros((4, *distance.shape))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PowerLawPrior:
+    """A prior the kernels know nothing about: -w_h * |d| ** 0.5."""
 
-    with pytest.raises(NotImplementedError, match="GGDPrior"):
-        run_kernel(case, "gpu", inputs, prior=OtherPrior())
+    weight_H: jax.Array
+
+    @property
+    def num_heads(self) -> int:
+        return self.weight_H.shape[0]
+
+    def bias(self, distance: jax.Array) -> jax.Array:
+        weight = self.weight_H.reshape((-1,) + (1,) * jnp.ndim(distance))
+        return -weight * jnp.sqrt(jnp.abs(distance))[None]
+
+
+@pytest.mark.parametrize("backend", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
+def test_any_prior_reads_from_the_table(backend: str) -> None:
+    case = Case(q_len=40, offset=9, documents=True, ssmax=True)
+    prior = PowerLawPrior(jnp.asarray([0.3, 0.1, 1.0, 0.0], jnp.float32))
+    inputs = dict(make_inputs(case), prior=prior)
+    np.testing.assert_allclose(
+        run_kernel(case, backend, inputs), run_reference(case, inputs), atol=2e-5, rtol=2e-5
+    )
+
+    def loss(run, weight_H):
+        return jnp.sum(run(dict(inputs, prior=PowerLawPrior(weight_H))) ** 2)
+
+    got = jax.grad(functools.partial(loss, lambda i: run_kernel(case, backend, i)))(prior.weight_H)
+    want = jax.grad(functools.partial(loss, lambda i: run_reference(case, i)))(prior.weight_H)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("prior_table", [False, True])
+def test_largest_gpu_blocks(prior_table: bool) -> None:
+    check_values(
+        Case(q_len=300, ssmax=True, block_q=256, block_k=128, prior_table=prior_table), "gpu"
+    )
 
 
 def test_no_queries_or_no_keys_give_zeros() -> None:
@@ -329,27 +384,76 @@ LOWERING_CASES = {
 }
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("name", sorted(LOWERING_CASES))
-def test_kernels_lower_for_accelerators(name: str, platform: str) -> None:
-    case = LOWERING_CASES[name]
-    inputs = jax.tree.map(
-        lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 and x.ndim == 4 else x,
-        make_inputs(case),
-    )
+def lowering_inputs(case: Case) -> tuple[dict, tuple[jax.ShapeDtypeStruct, ...]]:
+    """The case's inputs, and q, k, v as bfloat16 shapes (lowering takes shapes)."""
+    inputs = make_inputs(case)
+    shapes = tuple(jax.ShapeDtypeStruct(inputs[n].shape, jnp.bfloat16) for n in ("q", "k", "v"))
+    return inputs, shapes
 
-    def forward(q, k, v, prior, ssmax):
+
+def lowered_kernel_text(case: Case, platform: str, **options) -> str:
+    inputs, shapes = lowering_inputs(case)
+    backend = "gpu" if platform == "cuda" else "tpu"
+
+    def forward(q, k, v):
         return pallas_attention(
-            q,
-            k,
-            v,
-            **attention_kwargs(case, dict(inputs, prior=prior, ssmax=ssmax)),
-            backend="gpu" if platform == "cuda" else "tpu",
+            q, k, v, **attention_kwargs(case, inputs), backend=backend, **options
         )
 
-    args = (inputs["q"], inputs["k"], inputs["v"], inputs["prior"], inputs["ssmax"])
-    text = jax.jit(forward).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return lower_for(forward, shapes, platform).as_text()
+
+
+@pytest.mark.parametrize("prior_table", [False, True])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("name", sorted(LOWERING_CASES))
+def test_kernels_lower_for_accelerators(name: str, platform: str, prior_table: bool) -> None:
+    text = lowered_kernel_text(LOWERING_CASES[name], platform, prior_table=prior_table)
     assert ("xla.gpu.triton" in text) if platform == "cuda" else ("tpu_custom_call" in text)
+
+
+PRIOR_VARIANTS = {  # options, tile rows (the GGD reuse splits a 128-row block in two)
+    "ggd": ({}, 64),
+    "ggd, no reuse": ({"prior_reuse": False}, 128),
+    "ggd, exact math": ({"approx_math": False}, 64),
+    "ggd, table": ({"prior_table": True}, 128),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(PRIOR_VARIANTS))
+def test_gpu_tile_does_no_divide_or_conversion_per_logit(variant: str) -> None:
+    # Head dim 128 keeps the [M, 64] logits tile apart from the [64, 128] key tile.
+    options, rows = PRIOR_VARIANTS[variant]
+    case = Case(q_len=512, head_dim=128, block_q=None, block_k=None)
+    inputs, shapes = lowering_inputs(case)
+
+    def forward(q, k, v):
+        kwargs = attention_kwargs(case, inputs)
+        return pallas_attention(q, k, v, **kwargs, backend="gpu", debug=True, **options)
+
+    [module] = kernel_modules(forward, shapes, "cuda")
+    counts = tile_op_counts(module, rows, 64)
+    assert "divide" not in counts and "int-to-float" not in counts, counts
+    # Softmax exp2, plus log2 and exp2 of the GGD shared by the two sub-blocks or not.
+    expected = {"ggd": 2.0, "ggd, no reuse": 3.0, "ggd, exact math": 2.0, "ggd, table": 1.0}
+    assert counts["special"] == expected[variant], counts
+    assert counts.get("gather", 0.0) == (1.0 if options.get("prior_table") else 0.0)
+
+
+@pytest.mark.parametrize(("prior_table", "special"), [(False, 3.0), (True, 1.0)])
+def test_tpu_tile_does_no_divide_or_conversion_per_logit(prior_table: bool, special: float) -> None:
+    case = Case(q_len=1024, head_dim=128, block_q=None, block_k=None)
+    inputs, shapes = lowering_inputs(case)
+
+    def forward(q, k, v):
+        kwargs = attention_kwargs(case, inputs)
+        return pallas_attention(
+            q, k, v, **kwargs, backend="tpu", debug=True, prior_table=prior_table
+        )
+
+    [module] = kernel_modules(forward, shapes, "tpu")
+    counts = tile_op_counts(module, 256, 256)  # block_q x the key chunk
+    assert "divide" not in counts and "int-to-float" not in counts, counts
+    assert counts["special"] == special, counts
 
 
 # ---------------------------------------------------------------------------------------

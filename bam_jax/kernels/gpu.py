@@ -63,15 +63,53 @@ class _SubBlock(NamedTuple):
     seg_Mx1: jax.Array | None
 
 
+class GpuDefaults(NamedTuple):
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# By padded head dim. Not tuned on hardware yet: `bench/accelerator_check.py --autotune`
+# sweeps the alternatives.
+GPU_DEFAULTS = {
+    16: GpuDefaults(128, 64, 4, 2),
+    32: GpuDefaults(128, 64, 4, 2),
+    64: GpuDefaults(128, 64, 4, 2),
+    128: GpuDefaults(128, 64, 8, 2),
+    256: GpuDefaults(64, 32, 8, 2),
+}
+
+
+def gpu_defaults(head_dim: int) -> GpuDefaults:
+    """Blocks, warps and stages the GPU kernel uses for this head dim when none are given."""
+    padded = max(16, pl.next_power_of_2(head_dim))
+    if padded not in GPU_DEFAULTS:
+        raise ValueError(f"the GPU kernel supports head dims up to 256, got {head_dim}")
+    return GPU_DEFAULTS[padded]
+
+
+def _table_tile(table_ref, base: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """table[base + col - row] over an [M, N] tile: the Toeplitz slice a tile reads from
+    the per-head prior table (a gather of M + N - 1 distinct, cached values)."""
+    rows, cols = shape
+    index_MxN = (base + lax.broadcasted_iota(jnp.int32, (1, cols), 1)) - lax.broadcasted_iota(
+        jnp.int32, (rows, 1), 0
+    )
+    return table_ref[index_MxN]
+
+
 def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *refs):
     """One query block against its visible key blocks.
 
     With q_splits = m > 1 the query block is m sub-blocks of block_k rows each. The GGD
     tile of sub-block s at key block j equals that of sub-block 0 at key block j - s, so
     each step evaluates the prior's exp2/log2 for one sub-block only and carries the last
-    m - 1 tiles: the prior's transcendental cost drops by a factor m.
+    m - 1 tiles: the prior's transcendental cost drops by a factor m. With a prior table
+    every tile is read from it instead.
     """
     refs = list(refs)
+    table_ref = refs.pop(0) if config.prior_table else None
     log_n_ref = refs.pop(0) if config.ssmax else None
     q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if config.segments else (None, None)
     out_ref, lse_ref = refs
@@ -94,10 +132,22 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
                 seg_Mx1=None if q_seg_ref is None else q_seg_ref[rows, :],
             )
         )
-    reuse = config.prior_kind == "ggd"
+    reuse = config.prior_kind == "ggd" and not config.prior_table
+    # Table entry of distance 0 for the first query: see prior_table_distances.
+    table_zero = offset_ref[0] + config.padded_q_len - 1
 
     def unit_at(k_start):
         return ggd_unit(math_ops, head, k_start - q_start, (sub_rows, bk))
+
+    def prior_tiles(k_start):
+        if reuse:
+            return (unit_at(k_start),)
+        if table_ref is None:
+            return (None,) * splits
+        return tuple(
+            _table_tile(table_ref, table_zero + k_start - sub.q_start, (sub_rows, bk))
+            for sub in subs
+        )
 
     def body(k_block, state, *, masked: bool):
         carries, window = state
@@ -105,7 +155,7 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
         keys = pl.ds(k_start, bk)
         k_NxD, v_NxD = k_ref[keys, :], v_ref[keys, :]
         k_seg = None if k_seg_ref is None else k_seg_ref[:, keys]
-        units = (unit_at(k_start), *window) if reuse else (None,) * splits
+        units = (*prior_tiles(k_start), *window)
         new_carries = []
         for sub, carry, unit in zip(subs, carries, units, strict=True):
             logits = tile_logits_log2(
@@ -141,7 +191,9 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
         lse_ref[sub.rows, :] = lse
 
 
-def gpu_forward(config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_seg, offset):
+def gpu_forward(
+    config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_seg, offset, table_HxX
+):
     batch, q_pad, num_heads, d_pad = q.shape
     kv_pad = k.shape[1]
     bq, groups = config.block_q, config.groups
@@ -158,6 +210,9 @@ def gpu_forward(config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_
         pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
     ]
     inputs = [offset, head_params_Hx8, q, k, v]
+    if config.prior_table:
+        in_specs.append(pl.BlockSpec((None, table_HxX.shape[1]), lambda i, b, h: (h, 0)))
+        inputs.append(table_HxX)
     row_spec = pl.BlockSpec((None, bq, 1), lambda i, b, h: (b, q_block(i), 0))
     if config.ssmax:
         in_specs.append(row_spec)
@@ -169,7 +224,7 @@ def gpu_forward(config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_
         pl.BlockSpec((None, bq, None, d_pad), lambda i, b, h: (b, q_block(i), h, 0)),
         pl.BlockSpec((None, None, bq, 1), lambda i, b, h: (b, h, q_block(i), 0)),
     ]
-    num_warps = config.num_warps or (4 if d_pad <= 64 else 8)
+    defaults = gpu_defaults(d_pad)
     return pl.pallas_call(
         functools.partial(_kernel, config),
         grid=(num_q_blocks, batch, num_heads),
@@ -177,9 +232,11 @@ def gpu_forward(config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_
         out_specs=out_specs,
         out_shape=_out_shapes(q),
         compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps, num_stages=config.num_stages or 2
+            num_warps=config.num_warps or defaults.num_warps,
+            num_stages=config.num_stages or defaults.num_stages,
         ),
         interpret=config.interpret,
+        debug=config.debug,
         name="bam_attention_fwd",
     )(*inputs)
 

@@ -23,7 +23,7 @@ from bam_jax.priors import GGD_EPS, GGD_MAX_LOG2_MAGNITUDE
 Backend = Literal["gpu", "tpu"]
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-NUM_HEAD_PARAMS = 8  # coef, beta, mu, ssmax scale, padding
+NUM_HEAD_PARAMS = 8  # coef, beta, mu, ssmax scale, GGD saturation limit, padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +39,17 @@ class KernelConfig:
     head_dim: int
     groups: int
     mask: AttentionMask
-    prior_kind: Literal["none", "ggd", "alibi"]
+    prior_kind: Literal["none", "ggd", "alibi", "other"]
     ssmax: bool
     prior_inside: bool
     segments: bool
     num_warps: int | None
     num_stages: int | None
     q_splits: int = 1
+    # The prior read from a per-head table of its magnitude over distances rather than
+    # evaluated per element (any Prior; "other" kinds need it).
+    prior_table: bool = False
+    debug: bool = False
 
     @property
     def padded_q_len(self) -> int:
@@ -61,12 +65,14 @@ class KernelConfig:
 
 
 class AuxInputs(NamedTuple):
-    """Non-differentiable inputs."""
+    """Non-differentiable inputs (prior_table_HxX: the prior's magnitude -bias at the
+    distances of `prior_table_distances`, with KernelConfig.prior_table)."""
 
     log_n_BxT: jax.Array | None
     q_seg_BxT: jax.Array | None
     k_seg_BxS: jax.Array | None
     offset_1: jax.Array
+    prior_table_HxX: jax.Array | None = None
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -86,8 +92,13 @@ class MathOps(NamedTuple):
     log2: Callable[[jax.Array], jax.Array]
 
 
+def _log2_by_product(x: jax.Array) -> jax.Array:
+    # jnp.log2 is log(x) / log(2): a full divide per element inside a kernel.
+    return jnp.log(x) * jnp.float32(LOG2_E)
+
+
 def exact_math() -> MathOps:
-    return MathOps(exp2=jnp.exp2, log2=jnp.log2)
+    return MathOps(exp2=jnp.exp2, log2=_log2_by_product)
 
 
 class HeadScalars(NamedTuple):
@@ -95,6 +106,7 @@ class HeadScalars(NamedTuple):
     beta: jax.Array
     mu: jax.Array
     ssmax_scale: jax.Array
+    limit: jax.Array  # GGD_MAX_LOG2_MAGNITUDE - log2(coef): where the GGD saturates
 
 
 class RowCoefficients(NamedTuple):
@@ -108,7 +120,9 @@ def row_coefficients(
     config: KernelConfig, head: HeadScalars, log_n_Mx1: jax.Array | None
 ) -> RowCoefficients:
     content = jnp.float32(LOG2_E / math.sqrt(config.head_dim))
-    prior = head.coef * jnp.float32(LOG2_E)
+    prior = jnp.float32(LOG2_E)
+    if not config.prior_table:
+        prior = head.coef * prior
     if config.ssmax:
         factor_Mx1 = head.ssmax_scale * log_n_Mx1
         content = content * factor_Mx1
@@ -118,12 +132,19 @@ def row_coefficients(
 
 
 def _distance(relative_start: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """k_pos - q_pos over a tile whose first key sits relative_start after its first query."""
-    return (
-        relative_start
-        + lax.broadcasted_iota(jnp.int32, shape, 1)
-        - lax.broadcasted_iota(jnp.int32, shape, 0)
-    )
+    """k_pos - q_pos as float32 [M, N] over a tile whose first key sits relative_start
+    after its first query: one int-to-float conversion per row and per column, one add per
+    element (exact below 2 ** 24)."""
+    rows, cols = shape
+    col_1xN = lax.broadcasted_iota(jnp.int32, (1, cols), 1).astype(jnp.float32)
+    row_Mx1 = lax.broadcasted_iota(jnp.int32, (rows, 1), 0).astype(jnp.float32)
+    return (jnp.asarray(relative_start, jnp.int32).astype(jnp.float32) + col_1xN) - row_Mx1
+
+
+def ggd_limit(theta_alpha_H: jax.Array) -> jax.Array:
+    """Per head, the log2 of the GGD's unit-coefficient power at which the prior saturates:
+    GGD_MAX_LOG2_MAGNITUDE - log2(exp(theta_alpha)), as `bam_jax.priors.ggd_bias` tests it."""
+    return jnp.float32(GGD_MAX_LOG2_MAGNITUDE) - theta_alpha_H.astype(jnp.float32) * LOG2_E
 
 
 def ggd_unit(
@@ -131,10 +152,8 @@ def ggd_unit(
 ) -> jax.Array:
     """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [M, N], saturating
     where coef times it reaches 2 ** GGD_MAX_LOG2_MAGNITUDE, as `bam_jax.priors.ggd_bias`."""
-    distance = _distance(relative_start, shape).astype(jnp.float32)
-    gap = jnp.abs(distance - head.mu) + jnp.float32(GGD_EPS)
-    limit = jnp.float32(GGD_MAX_LOG2_MAGNITUDE) - jnp.log2(head.coef)
-    return math_ops.exp2(jnp.minimum(head.beta * math_ops.log2(gap), limit))
+    gap = jnp.abs(_distance(relative_start, shape) - head.mu) + jnp.float32(GGD_EPS)
+    return math_ops.exp2(jnp.minimum(head.beta * math_ops.log2(gap), head.limit))
 
 
 def tile_logits_log2(
@@ -148,14 +167,16 @@ def tile_logits_log2(
     rows: RowCoefficients,
     q_seg_Mx1: jax.Array | None,
     k_seg_1xN: jax.Array | None,
-    ggd_unit_MxN: jax.Array | None = None,
+    prior_tile_MxN: jax.Array | None = None,
     *,
     masked: bool = True,
 ) -> jax.Array:
     """Logits of one tile in log2 units, float32 [M, N]; -inf where not visible.
 
-    ggd_unit_MxN: the GGD tile without its per-row coefficient when the caller already has
-    it (the GPU kernel reuses it across query sub-blocks); computed here otherwise.
+    prior_tile_MxN: what the per-row prior coefficient multiplies, when the caller already
+    has it: the GGD tile without its coefficient (the GPU kernel reuses it across query
+    sub-blocks), or the prior's magnitude read from a table (required with
+    config.prior_table). Computed here otherwise.
     masked: False for tiles the caller knows to be fully visible
         (`AttentionMask.full_key_blocks_stop`).
     """
@@ -164,13 +185,13 @@ def tile_logits_log2(
         q_MxD, k_NxD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
     logits = scores * rows.content
-    if config.prior_kind == "ggd":
-        if ggd_unit_MxN is None:
-            ggd_unit_MxN = ggd_unit(math_ops, head, k_start - q_start, shape)
-        logits = logits - ggd_unit_MxN * rows.prior
-    elif config.prior_kind == "alibi":
-        distance = _distance(k_start - q_start, shape)
-        logits = logits - jnp.abs(distance).astype(jnp.float32) * rows.prior
+    if prior_tile_MxN is None and not config.prior_table:
+        if config.prior_kind == "ggd":
+            prior_tile_MxN = ggd_unit(math_ops, head, k_start - q_start, shape)
+        elif config.prior_kind == "alibi":
+            prior_tile_MxN = jnp.abs(_distance(k_start - q_start, shape))
+    if prior_tile_MxN is not None:
+        logits = logits - prior_tile_MxN * rows.prior
     if not masked:
         return logits
     visible = config.mask.visible(
@@ -223,4 +244,4 @@ def finalize(carry: SoftmaxState) -> tuple[jax.Array, jax.Array]:
 
 
 def load_head(load: Callable[[int], jax.Array]) -> HeadScalars:
-    return HeadScalars(coef=load(0), beta=load(1), mu=load(2), ssmax_scale=load(3))
+    return HeadScalars(coef=load(0), beta=load(1), mu=load(2), ssmax_scale=load(3), limit=load(4))

@@ -3,13 +3,20 @@
 Grid (batch, heads, query blocks, key blocks), the last axis sequential: the running max,
 sum and accumulator live in VMEM scratch across key blocks. The key/value index map is
 clamped to the band a query block can see, so blocks outside it are never fetched, and
-their grid steps do nothing. Mosaic tiles the last two dims of every block, so tensors are
-laid out [B, H, T, D] and row vectors as [.., T, 1] / [.., 1, S].
+their grid steps do nothing. Within a key block the kernel walks chunks of
+TPU_KEY_CHUNK keys, so the live logits tile is [block_q, 256] whatever the key block.
+Mosaic tiles the last two dims of every block, so tensors are laid out [B, H, T, D] and
+row vectors as [.., T, 1] / [.., 1, S].
+
+With a prior table, a tile's block_q + block_k table entries arrive as whole blocks of
+gcd(block_q, block_k) lanes, and the Toeplitz tile is one broadcast and one strided lane
+rotation (`pltpu.roll`, row i rotated by i more than row 0).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +32,38 @@ from bam_jax.kernels.tile_math import (
     init_state,
     load_head,
     online_update,
+    pad_to,
     row_coefficients,
     tile_logits_log2,
 )
 
+TPU_KEY_CHUNK = 256
+
+
+def key_chunk(block_k: int) -> int:
+    return TPU_KEY_CHUNK if block_k % TPU_KEY_CHUNK == 0 else block_k
+
+
+def table_granule(config: KernelConfig) -> int:
+    """Lanes per block of the prior table: every tile's first entry is a multiple of it."""
+    return math.gcd(config.block_q, config.block_k)
+
+
+def _table_tile(table_1xL: jax.Array, first: int, rows: int, cols: int) -> jax.Array:
+    """[rows, cols] tile with tile[i, c] = table[first + c - i + rows - 1]."""
+    window = table_1xL[:, first : first + rows + cols]
+    rotated = pltpu.roll(
+        jnp.broadcast_to(window, (rows, rows + cols)), cols + 1, 1, stride=1, stride_axis=0
+    )
+    return rotated[:, :cols]
+
 
 def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *refs):
     refs = list(refs)
+    table_refs = []
+    if config.prior_table:
+        count = (config.block_q + config.block_k) // table_granule(config)
+        table_refs, refs = refs[:count], refs[count:]
     log_n_ref = refs.pop(0) if config.ssmax else None
     q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if config.segments else (None, None)
     out_ref, lse_ref, acc_ref, max_ref, sum_ref = refs
@@ -48,24 +80,32 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
         math_ops = exact_math()
         head = load_head(lambda j: head_ref[h, j])
         rows = row_coefficients(config, head, None if log_n_ref is None else log_n_ref[...])
-        k_start = k_block * config.block_k
-        logits = tile_logits_log2(
-            config,
-            math_ops,
-            q_ref[...],
-            k_ref[...],
-            q_start,
-            k_start,
-            head,
-            rows,
-            None if q_seg_ref is None else q_seg_ref[...],
-            None if k_seg_ref is None else k_seg_ref[...],
-            masked=masked,
-        )
+        chunk = key_chunk(config.block_k)
+        table = None
+        if table_refs:
+            table = jnp.concatenate([ref[...] for ref in table_refs], axis=1)
         carry = SoftmaxState(acc_ref[...], max_ref[...], sum_ref[...])
-        acc_ref[...], max_ref[...], sum_ref[...] = online_update(
-            math_ops, carry, logits, v_ref[...]
-        )
+        for c in range(config.block_k // chunk):
+            keys = pl.ds(c * chunk, chunk)
+            prior_tile = None
+            if table is not None:
+                prior_tile = _table_tile(table, c * chunk, config.block_q, chunk)
+            logits = tile_logits_log2(
+                config,
+                math_ops,
+                q_ref[...],
+                k_ref[keys, :],
+                q_start,
+                k_block * config.block_k + c * chunk,
+                head,
+                rows,
+                None if q_seg_ref is None else q_seg_ref[...],
+                None if k_seg_ref is None else k_seg_ref[:, keys],
+                prior_tile,
+                masked=masked,
+            )
+            carry = online_update(math_ops, carry, logits, v_ref[keys, :])
+        acc_ref[...], max_ref[...], sum_ref[...] = carry
 
     # Tiles below the diagonal need no mask; the rest (diagonal, padding, documents) do.
     full_stop = config.mask.full_key_blocks_stop(
@@ -81,7 +121,9 @@ def _kernel(config: KernelConfig, offset_ref, head_ref, q_ref, k_ref, v_ref, *re
         lse_ref[...] = lse
 
 
-def tpu_forward(config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_seg, offset):
+def tpu_forward(
+    config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_seg, offset, table_HxX
+):
     batch, q_pad, num_heads, d_pad = q.shape
     bq, bk, groups = config.block_q, config.block_k, config.groups
     # Mosaic tiles the last two dims of each block: put (length, head_dim) last.
@@ -106,6 +148,10 @@ def tpu_forward(config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_
         pl.BlockSpec((None, None, bk, d_pad), kv_block),
     ]
     inputs = [head_params_Hx8, q_BxHxTxD, k_BxKxSxD, v_BxKxSxD]
+    if config.prior_table:
+        table_specs, table = _table_inputs(config, table_HxX, kv_block)
+        in_specs += table_specs
+        inputs += [table] * len(table_specs)
     if config.ssmax:
         in_specs.append(pl.BlockSpec((None, bq, 1), q_rows))
         inputs.append(log_n)
@@ -139,6 +185,26 @@ def tpu_forward(config: KernelConfig, q, k, v, head_params_Hx8, log_n, q_seg, k_
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
         interpret=pltpu.InterpretParams() if config.interpret else False,
+        debug=config.debug,
         name="bam_attention_fwd",
     )(offset, *inputs)
     return out_BxHxTxD.transpose(0, 2, 1, 3), lse
+
+
+def _table_inputs(config: KernelConfig, table_HxX: jax.Array, kv_block):
+    """Block specs reading the (block_q + block_k) table entries of each tile as whole
+    granules, and the table padded to whole granules ([H, 1, X'])."""
+    bq, bk = config.block_q, config.block_k
+    granule = table_granule(config)
+    size = config.padded_q_len + config.padded_kv_len
+    table = pad_to(table_HxX, 1, size)[:, None, :]
+
+    def spec(part: int) -> pl.BlockSpec:
+        def index(b, h, i, j, offset_ref):
+            j = kv_block(b, h, i, j, offset_ref)[2]
+            first = config.padded_q_len - (i + 1) * bq + j * bk
+            return (h, 0, lax.div(first, granule) + part)
+
+        return pl.BlockSpec((None, 1, granule), index)
+
+    return [spec(part) for part in range((bq + bk) // granule)], table
