@@ -3,24 +3,29 @@
     PYTHONPATH=. python bench/accelerator_check.py            # one GPU, under 8 minutes
     PYTHONPATH=. python bench/accelerator_check.py --smoke    # CPU, tiny sizes, ~1.5 min
 
-Three sections, each row appended to the markdown table (`--out`, default
+Four sections, each row appended to the markdown table (`--out`, default
 results/accelerator_check/DEVICE-DATE.md) as soon as it is measured, so a run cut short
 still leaves its table:
 
 a. gate: the Pallas kernel against the float32 reference (matmul precision "highest", so
    no TF32) at shapes that cover the unmasked loop (no documents), documents and padding,
    lengths that are not a multiple of the block, SSMax inside and outside the prior, GQA,
-   negative theta_beta, a query offset; values in float32 and bfloat16, and the gradients
+   negative theta_beta, a query offset, no prior, the prior table, a steep learned prior
+   under SSMax deep in a KV cache; values in float32 and bfloat16, and the gradients
    of q, k, v, the prior parameters and the SSMax scales (thresholds: GATE_THRESHOLDS).
    If any check fails the run prints FAIL, skips every row that runs the kernel and exits
    with status 1.
-b. throughput: forward and forward+backward TFLOP/s of each attention variant at 8k, 32k
-   and 128k tokens (batch 1, 16 heads as l12, bf16, causal). FLOPs are the causal matmul
+b. throughput: forward and forward+backward TFLOP/s of each attention variant at 16k, 32k
+   and 128k tokens, the most important first (batch 1, 16 heads, head dim 128, bf16,
+   causal). FLOPs are the causal matmul
    FLOPs: forward 2 * B * H * T^2 * D (QK^T and PV over the lower triangle), backward 2.5x
    that (five matmuls, QK^T recomputed), so forward+backward 3.5x; the prior's elementwise
    work is not counted.
 c. training: the step time and tokens/s of a bf16 training step of the l12_512 preset
    (passkey data, batch reduced to fit one device) with each attention implementation.
+d. autotune (only with `--sections autotune`): the GGD forward at the first length over
+   GPU block sizes, warps and stages (AUTOTUNE_GRID), fastest first, ending with the
+   GPU_DEFAULTS entry to copy into bam_jax/kernels/gpu.py.
 
 The float32 matmul rate (precision "highest") is measured first; every timed row shows
 its ratio to it. A global deadline (`--deadline-s`) skips rows that would pass it and
@@ -41,6 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from itertools import product
 from pathlib import Path
 
 import jax
@@ -54,7 +60,8 @@ from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
 
 DEFAULT_DEADLINE_S = 450.0
-DEFAULT_LENGTHS = (8192, 32768, 131072)
+DEFAULT_LENGTHS = (16384, 32768, 131072)
+DEFAULT_HEAD_DIM = 128
 TRAINING_RESERVE = 0.3  # share of the deadline kept for the training section
 GATE_THRESHOLDS = {
     # max |kernel - reference|; the kernel's own dots may use TF32 or approximate exp2
@@ -64,7 +71,15 @@ GATE_THRESHOLDS = {
     # max |kernel - reference| / max(1, max |reference|), per gradient
     "gradient": 1e-2,
 }
-DEFAULT_VARIANTS = ("pallas+ggd", "pallas", "blockwise+ggd", "cudnn", "jax-mha", "xla")
+DEFAULT_VARIANTS = (
+    "pallas+ggd",
+    "pallas",
+    "pallas+ggd-table",
+    "blockwise+ggd",
+    "cudnn",
+    "jax-mha",
+    "xla",
+)
 ALL_VARIANTS = (
     *DEFAULT_VARIANTS,
     "pallas+ggd+ssmax",
@@ -73,7 +88,14 @@ ALL_VARIANTS = (
     "pallas+ggd-noreuse",
 )
 MODEL_BLOCK = 256  # ModelConfig's default block_q and block_k
-SECTIONS = ("gate", "throughput", "training")
+SECTIONS = ("gate", "throughput", "training", "autotune")
+DEFAULT_SECTIONS = ("gate", "throughput", "training")
+AUTOTUNE_GRID = {
+    "block_q": (64, 128, 256),
+    "block_k": (32, 64, 128),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3),
+}
 TRAINING_IMPLEMENTATIONS = ("pallas", "blockwise", "cudnn")
 
 
@@ -193,7 +215,7 @@ def make_settings(args: argparse.Namespace) -> Settings:
         platform=platform,
         lengths=tuple(args.lengths or DEFAULT_LENGTHS),
         heads=16,
-        head_dim=args.head_dim or 64,
+        head_dim=args.head_dim or DEFAULT_HEAD_DIM,
         iters=args.iters,
         max_seconds_per_row=20.0,
         compile_allowance_s=15.0,
@@ -247,10 +269,25 @@ class GateCase:
     documents: bool = False
     ssmax: bool = False
     prior_inside: bool = True
+    prior_table: bool = False
+    # Learned (theta_alpha, theta_beta) per head instead of the random priors above.
+    learned: tuple[tuple[float, float], ...] | None = None
+    ssmax_scales: tuple[float, ...] | None = None
 
     @property
     def kv_len(self) -> int:
         return self.q_len + self.offset
+
+
+# A quick-start model's priors: a steep head (beta 3.1, bias -7e9 at 8k tokens) that gave
+# NaN under SSMax deep in a KV cache in an earlier unmasked loop of the blockwise path.
+STEEP_LEARNED_PRIOR = (
+    (math.log(14.666), -0.602),
+    (math.log(0.131), 2.395),
+    (math.log(0.011), -0.128),
+    (math.log(0.004), 3.099),
+)
+STEEP_SSMAX_SCALES = (0.307, 0.26, 0.251, 0.083)
 
 
 def gate_cases(smoke: bool) -> list[GateCase]:
@@ -283,6 +320,27 @@ def gate_cases(smoke: bool) -> list[GateCase]:
             prior="alibi",
             ssmax=True,
         ),
+        GateCase(
+            "no prior, MHA, head dim 128", 1000 // scale, kv_heads=4, head_dim=128, prior=None
+        ),
+        GateCase(
+            "prior table: documents, SSMax inside, GQA",
+            1024 // scale + 3,
+            documents=True,
+            ssmax=True,
+            theta_mu=0.4,
+            prior_table=True,
+        ),
+        GateCase(
+            "steep learned prior + SSMax, 512 queries 7680 into a KV cache",
+            512 // scale,
+            offset=7680 // scale,
+            kv_heads=4,
+            head_dim=16,
+            learned=STEEP_LEARNED_PRIOR,
+            ssmax_scales=STEEP_SSMAX_SCALES,
+            ssmax=True,
+        ),
     ]
 
 
@@ -302,8 +360,14 @@ def gate_inputs(case: GateCase, seed: int = 0) -> dict:
         "q_seg": None,
         "k_seg": None,
     }
+    if case.learned is not None:
+        alpha_H, beta_H = (
+            jnp.asarray(column, jnp.float32) for column in zip(*case.learned, strict=True)
+        )
+        inputs["prior"] = GGDPrior(alpha_H, beta_H, jnp.zeros_like(alpha_H))
     if case.ssmax:
-        inputs["ssmax"] = jnp.asarray(rng.uniform(0.5, 1.5, case.heads), jnp.float32)
+        scales = case.ssmax_scales or rng.uniform(0.5, 1.5, case.heads)
+        inputs["ssmax"] = jnp.asarray(scales, jnp.float32)
     if case.documents:
         k_seg = np.sort(rng.integers(0, 3, size=(1, s)), axis=1)
         k_seg[:, -5:] = -1  # trailing padding
@@ -363,6 +427,7 @@ def gate_functions(case: GateCase, inputs: dict, settings: Settings) -> tuple[Ca
             interpret=settings.interpret,
             block_q=settings.block_q,
             block_k=settings.block_k,
+            prior_table=case.prior_table,
             **options,
         )
 
@@ -499,6 +564,7 @@ def attention_variant(variant: str, settings: Settings) -> Callable:
         interpret=settings.interpret,
         approx_math="exact" not in variant,
         prior_reuse="noreuse" not in variant,
+        prior_table="table" in variant,
         block_q=settings.block_q,
         block_k=settings.block_k,
     )
@@ -774,6 +840,63 @@ def run_training(
 # Command line
 
 
+# ---------------------------------------------------------------------------------------
+# d. Autotune
+
+
+def autotune_configs(settings: Settings) -> list[dict[str, int]]:
+    """Every AUTOTUNE_GRID combination the GPU kernel accepts (smoke: the small blocks)."""
+    names = tuple(AUTOTUNE_GRID)
+    configs = [dict(zip(names, values, strict=True)) for values in product(*AUTOTUNE_GRID.values())]
+    if settings.interpret:
+        configs = [c for c in configs if c["block_q"] == 64 and c["block_k"] == 32][:2]
+    return configs
+
+
+def run_autotune(
+    report: Report, settings: Settings, deadline: Deadline, f32_tflops: float, gate_passed: bool
+) -> None:
+    length, s = settings.lengths[0], settings
+    report.table(
+        f"d. Autotune: pallas+ggd forward, T {length}, D {s.head_dim}, {s.heads} heads, bf16",
+        ("block_q", "block_k", "warps", "stages", "ms", "TFLOP/s", "vs f32 matmul", "note"),
+    )
+    if not gate_passed:
+        report.row("", "", "", "", "", "", "", "skipped: the gate failed")
+        return
+    keys = jax.random.split(jax.random.key(length), 3)
+    shape = (1, length, s.heads, s.head_dim)
+    qkv = tuple(jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    prior = make_prior("ggd", s.heads)
+    flops = causal_forward_flops(1, s.heads, length, s.head_dim)
+    results = []
+    for config in autotune_configs(settings):
+        cells = tuple(config.values())
+        if deadline.remaining() < s.compile_allowance_s:
+            report.row(*cells, "", "", "", "skipped: would pass the deadline")
+            continue
+        fn = jax.jit(
+            functools.partial(
+                pallas_attention, backend=s.backend, interpret=s.interpret, prior=prior, **config
+            )
+        )
+        try:
+            _, median = time_call(fn, qkv, s.iters, s.max_seconds_per_row)
+        except Exception as error:
+            report.row(*cells, "", "", "", f"failed: {one_line(error)}")
+            continue
+        tflops = flops / median / 1e12
+        results.append((median, config))
+        report.row(
+            *cells, f"{median * 1e3:.3g}", f"{tflops:.3g}", f"{tflops / f32_tflops:.2f}x", ""
+        )
+    if results:
+        best = min(results, key=lambda item: item[0])[1]
+        padded = max(16, 1 << (s.head_dim - 1).bit_length())
+        values = ", ".join(str(v) for v in best.values())
+        report.add("", f"Fastest: `GPU_DEFAULTS[{padded}] = GpuDefaults({values})`")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -785,9 +908,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, default=None, help="markdown table, rewritten after every row"
     )
     parser.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S)
-    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--sections", nargs="+", default=list(DEFAULT_SECTIONS), choices=SECTIONS)
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
-    parser.add_argument("--head-dim", type=int, default=None, help="throughput rows (default 64)")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=None,
+        help=f"throughput and autotune rows (default {DEFAULT_HEAD_DIM})",
+    )
     parser.add_argument(
         "--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=ALL_VARIANTS
     )
@@ -841,6 +969,8 @@ def run_check(args: argparse.Namespace) -> int:
         run_throughput(run, tuple(args.variants))
     if "training" in args.sections:
         run_training(report, settings, deadline, f32_tflops, gate_passed)
+    if "autotune" in args.sections:
+        run_autotune(report, settings, deadline, f32_tflops, gate_passed)
     timer.cancel()
     elapsed = args.deadline_s - deadline.remaining()
     report.add("", f"Finished in {elapsed:.0f} s; table: {report.path}")

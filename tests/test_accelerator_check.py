@@ -69,7 +69,9 @@ def test_failed_gate_prints_fail_skips_kernel_rows_and_exits_1(
 def test_gate_fails_a_kernel_that_ignores_the_prior(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def kernel_without_prior(q, k, v, *, prior, backend, interpret, block_q, block_k, **options):
+    def kernel_without_prior(
+        q, k, v, *, prior, backend, interpret, block_q, block_k, prior_table, **options
+    ):
         return reference_attention(q, k, v, prior=None, **options)
 
     first_case = accelerator_check.gate_cases(smoke=True)[:1]
@@ -135,13 +137,15 @@ def test_pallas_bench_is_a_front_end_of_the_check() -> None:
 @pytest.mark.slow
 def test_smoke_run_covers_every_section(tmp_path: Path) -> None:
     out = tmp_path / "table.md"
-    result = run_script("--smoke", "--out", str(out), timeout=600)
+    sections = ("gate", "throughput", "training", "autotune")
+    result = run_script("--smoke", "--sections", *sections, "--out", str(out), timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     text = out.read_text()
     assert "Gate: PASS" in text and "| FAIL |" not in text
     for section in ("## a. Gate", "## b. Attention throughput", "## c. Training step"):
         assert section in text
-    for variant in ("pallas+ggd", "pallas", "blockwise+ggd", "jax-mha", "xla"):
+    assert "## d. Autotune" in text and "Fastest: `GPU_DEFAULTS[32] = GpuDefaults(64, 32" in text
+    for variant in ("pallas+ggd", "pallas", "pallas+ggd-table", "blockwise+ggd", "jax-mha", "xla"):
         rows = [line for line in text.splitlines() if line.startswith(f"| {variant} | 64 |")]
         assert len(rows) == 2 and not any("failed" in line for line in rows), rows
     blockwise_step = next(line for line in text.splitlines() if line.startswith("| blockwise |"))
