@@ -26,12 +26,21 @@ COMPARE_ENCODINGS = "nope,rope,alibi,bam,nope_ssmax,rope_ssmax,alibi_ssmax,bam_s
 
 
 def quickstart_config(
-    encoding: str = "bam_ssmax", steps: int | None = None, preset_name: str = "quickstart"
+    encoding: str = "bam_ssmax",
+    steps: int | None = None,
+    preset_name: str = "quickstart",
+    seed: int = 0,
 ) -> TrainConfig:
-    """A preset (default `quickstart`) with another encoding or step count."""
+    """A preset (default `quickstart`) with another encoding, step count or seed (the seed
+    draws the model's initialisation and the training data)."""
     cfg = preset(preset_name)
-    cfg = cfg.replace(model=cfg.model.replace(encoding=encoding))
+    cfg = cfg.replace(model=cfg.model.replace(encoding=encoding), seed=seed)
     return cfg if steps is None else cfg.replace(steps=steps)
+
+
+def run_name(encoding: str, seed: int) -> str:
+    """The run's folder under runs/ and its name in tables: seed 0 keeps the bare encoding."""
+    return encoding if seed == 0 else f"{encoding}_seed{seed}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="training preset of every run (configs/presets.py; e.g. quickstart_answer_loss)",
     )
     parser.add_argument("--steps", type=int, default=None, help="training steps")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="model initialisation and training data (evaluation samples stay the same)",
+    )
     parser.add_argument("--multiples", default=DEFAULT_MULTIPLES, help="evaluation lengths")
     parser.add_argument("--samples", type=int, default=10, help="passkey samples per length")
     parser.add_argument("--no-plots", action="store_true")
@@ -64,16 +79,18 @@ def train_and_evaluate(
     samples: int,
     plots: bool = True,
     preset_name: str = "quickstart",
+    seed: int = 0,
 ) -> int:
     """Train one run per encoding (resuming finished ones), then evaluate them together."""
     runs = []
     for encoding in encodings:
-        workdir = os.path.join(out, "runs", encoding)
+        name = run_name(encoding, seed)
+        workdir = os.path.join(out, "runs", name)
         start = time.perf_counter()
-        cfg = quickstart_config(encoding, steps, preset_name)
+        cfg = quickstart_config(encoding, steps, preset_name, seed)
         train(cfg, workdir)
-        print(f"{encoding}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
-        runs.append(f"{encoding}={workdir}")
+        print(f"{name}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
+        runs.append(f"{name}={workdir}")
     models = api.load_models(runs)
     evaluation = api.run_passkey(
         models,
@@ -102,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             samples=args.samples,
             plots=not args.no_plots,
             preset_name=args.preset,
+            seed=args.seed,
         )
     except ValueError as e:
         print(f"bam-quickstart: error: {e}", file=sys.stderr)

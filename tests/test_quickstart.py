@@ -32,6 +32,15 @@ def test_quickstart_config_is_the_headline_model():
     assert cfg.data.passkey_lm_positions > 0
     answer_only = quickstart_config("nope", preset_name="quickstart_answer_loss")
     assert answer_only.data.passkey_lm_positions == 0 and answer_only.model.encoding == "nope"
+    assert cfg.seed == 0 and quickstart_config(seed=2).seed == 2
+
+
+def test_seed_trains_its_own_run(tmp_path, capsys):
+    out = _run(tmp_path, "--seed", "3", "--steps", "1", "--multiples", "1", "--samples", "1")
+    assert "bam_ssmax_seed3: trained in" in capsys.readouterr().out
+    with open(os.path.join(out, "runs", "bam_ssmax_seed3", "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["seed"] == 3
+    assert os.path.exists(os.path.join(out, "bam_ssmax_seed3", "passkey.json"))
 
 
 def test_quickstart_smoke(tmp_path, capsys):
