@@ -23,8 +23,12 @@ kernel, and each tile reads its Toeplitz slice of it (a gather on GPU, a strided
 rotation on TPU): no transcendental per element for the prior. SSMax uses n_i, the
 number of keys query i can see, computed outside the kernel in O((T + S) log S).
 
-The backward pass is a custom VJP running the blockwise implementation's flash-style
-backward (`bam_jax.blockwise.flash_backward`) on the kernel's output and log-sum-exp.
+The backward pass is a custom VJP on the kernel's output and log-sum-exp. backward="fused"
+(the default on GPU) runs the Triton backward kernels of bam_jax/kernels/gpu_backward.py:
+one kernel for dK/dV, one for dQ and the prior's and SSMax's gradients, the latter as
+per-program partial sums (deterministic, no atomics). backward="blockwise" (the default
+on TPU, which has no fused backward yet) runs the blockwise implementation's flash-style
+backward (`bam_jax.blockwise.flash_backward`), the pure-JAX reference.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from jax.experimental import pallas as pl
 from bam_jax.attention_inputs import checked_attention
 from bam_jax.blockwise import flash_backward
 from bam_jax.kernels.gpu import gpu_defaults, gpu_forward
+from bam_jax.kernels.gpu_backward import fused_gpu_backward
 from bam_jax.kernels.tile_math import (
     NUM_HEAD_PARAMS,
     AuxInputs,
@@ -58,6 +63,7 @@ GPU_MAX_BLOCK_K = 128
 GPU_MIN_BLOCK = 16  # tensor-core dots need both tile sides >= 16
 TPU_LANES = 128
 BACKWARD_BLOCK = 512
+Backward = Literal["fused", "blockwise"]
 
 
 TPU_DEFAULT_BLOCK_Q = 256
@@ -88,6 +94,7 @@ def pallas_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     debug: bool = False,
+    backward: Backward | None = None,
 ) -> jax.Array:
     """Attention output [B, T, H, D], the same function as `reference_attention`.
 
@@ -108,12 +115,17 @@ def pallas_attention(
         evaluating it per element; always on for priors other than GGD and ALiBi.
     num_warps, num_stages: Triton launch parameters (None = GPU_DEFAULTS by head dim).
     debug: print the kernel's jaxpr and its Triton / Mosaic module when it is lowered.
+    backward: "fused" (the Triton backward kernels, GPU only) or "blockwise"
+        (`bam_jax.blockwise.flash_backward`); None picks "fused" on GPU, "blockwise" on TPU
+        and for priors other than GGD and ALiBi (whose parameter gradients the fused
+        kernels compute in-kernel).
     """
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
     backend = _resolve_backend(backend)
     block_q, block_k = _choose_blocks(backend, interpret, head_dim, q_len, kv_len, block_q, block_k)
     prior_kind = _prior_kind(prior)
+    backward = _resolve_backward(backend, backward, prior_kind)
     prior_table = prior_kind == "other" or (prior_table and prior_kind != "none")
     config = KernelConfig(
         backend=backend,
@@ -148,7 +160,9 @@ def pallas_attention(
         distances = prior_table_distances(config, offset[0])
         table = -jax.lax.stop_gradient(prior.bias(distances)).astype(jnp.float32)
     aux = AuxInputs(log_n_BxT, query_segment_ids_BxT, key_segment_ids_BxS, offset, table)
-    return _attention(config, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, prior, ssmax_scale_H, aux)
+    return _attention(
+        config, backward, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, prior, ssmax_scale_H, aux
+    )
 
 
 def _resolve_backend(backend: Backend | None) -> Backend:
@@ -165,6 +179,24 @@ def _resolve_backend(backend: Backend | None) -> Backend:
     if backend not in ("gpu", "tpu"):
         raise ValueError(f"backend must be 'gpu', 'tpu' or None, got {backend!r}")
     return backend
+
+
+def _resolve_backward(backend: Backend, backward: Backward | None, prior_kind: str) -> Backward:
+    if backward is None:
+        return "fused" if backend == "gpu" and prior_kind != "other" else "blockwise"
+    if backward not in ("fused", "blockwise"):
+        raise ValueError(f"backward must be 'fused', 'blockwise' or None, got {backward!r}")
+    if backward == "fused" and backend == "tpu":
+        raise NotImplementedError(
+            "backward='fused' exists for backend='gpu' only; the TPU kernel has no fused "
+            "backward yet: use backward='blockwise' (the default on TPU)"
+        )
+    if backward == "fused" and prior_kind == "other":
+        raise NotImplementedError(
+            "backward='fused' computes the gradients of GGDPrior and AlibiPrior only; use "
+            "backward='blockwise' (the default for other priors)"
+        )
+    return backward
 
 
 def _choose_blocks(
@@ -233,6 +265,13 @@ def _prior_kind(prior: Prior | None) -> Literal["none", "ggd", "alibi", "other"]
 
 
 def _head_params(config: KernelConfig, prior: Prior | None, ssmax_scale_H, num_heads: int):
+    return jax.lax.stop_gradient(_head_param_columns(config, prior, ssmax_scale_H, num_heads))
+
+
+def _head_param_columns(
+    config: KernelConfig, prior: Prior | None, ssmax_scale_H, num_heads: int
+) -> jax.Array:
+    """float32 [H, NUM_HEAD_PARAMS]: coef, beta, mu, SSMax scale, padding (differentiable)."""
     columns = [jnp.zeros((num_heads,), jnp.float32)] * NUM_HEAD_PARAMS
     if config.prior_kind == "ggd":
         columns[0] = jnp.exp(prior.theta_alpha_H.astype(jnp.float32))
@@ -243,7 +282,7 @@ def _head_params(config: KernelConfig, prior: Prior | None, ssmax_scale_H, num_h
         columns[0] = prior.slopes_H.astype(jnp.float32)
     if ssmax_scale_H is not None:
         columns[3] = ssmax_scale_H.astype(jnp.float32)
-    return jax.lax.stop_gradient(jnp.stack(columns, axis=1))
+    return jnp.stack(columns, axis=1)
 
 
 def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs):
@@ -268,36 +307,59 @@ def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len, 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(
+    config: KernelConfig, backward: Backward, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
+):
     return _forward(config, q, k, v, prior, ssmax_scale_H, aux)[0]
 
 
-def _attention_fwd(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs):
+def _attention_fwd(
+    config: KernelConfig, backward: Backward, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
+):
     out, lse = _forward(config, q, k, v, prior, ssmax_scale_H, aux)
     return out, (q, k, v, prior, ssmax_scale_H, aux, out, lse)
 
 
-def _attention_bwd(config: KernelConfig, residuals, d_out):
+def _attention_bwd(config: KernelConfig, backward: Backward, residuals, d_out):
     q, k, v, prior, ssmax_scale_H, aux, out, lse = residuals
-    grads = flash_backward(
-        q,
-        k,
-        v,
-        prior,
-        ssmax_scale_H,
-        aux.q_seg_BxT,
-        aux.k_seg_BxS,
-        aux.offset_1[0],
-        out,
-        lse,
-        d_out,
-        mask=config.mask,
-        prior_inside=config.prior_inside,
-        block=BACKWARD_BLOCK,
-    )
+    if backward == "fused":
+        grads = _fused_backward(config, residuals, d_out)
+    else:
+        grads = flash_backward(
+            q,
+            k,
+            v,
+            prior,
+            ssmax_scale_H,
+            aux.q_seg_BxT,
+            aux.k_seg_BxS,
+            aux.offset_1[0],
+            out,
+            lse,
+            d_out,
+            mask=config.mask,
+            prior_inside=config.prior_inside,
+            block=BACKWARD_BLOCK,
+        )
     aux_cotangent = jax.tree.map(lambda _: None, aux)
     return (*grads, aux_cotangent)
+
+
+def _fused_backward(config: KernelConfig, residuals, d_out):
+    """The Triton backward; the per-head parameters' gradient is chained to the prior's
+    fields and the SSMax scales by a VJP of `_head_param_columns`."""
+    q, k, v, prior, ssmax_scale_H, aux, out, lse = residuals
+    # The kernels recompute the prior per element even where the forward read its table.
+    config = dataclasses.replace(config, prior_table=False)
+    head_params, params_vjp = jax.vjp(
+        functools.partial(_head_param_columns, config, num_heads=q.shape[2]), prior, ssmax_scale_H
+    )
+    dq, dk, dv, d_head_params = fused_gpu_backward(
+        config, head_params, q, k, v, aux, out, lse, d_out
+    )
+    d_prior, d_scale = params_vjp(d_head_params)
+    return dq, dk, dv, d_prior, d_scale
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
