@@ -75,6 +75,7 @@ DEFAULT_VARIANTS = (
     "pallas+ggd",
     "pallas",
     "pallas+ggd-table",
+    "pallas+ggd-bwdblockwise",
     "blockwise+ggd",
     "cudnn",
     "jax-mha",
@@ -565,6 +566,7 @@ def attention_variant(variant: str, settings: Settings) -> Callable:
         approx_math="exact" not in variant,
         prior_reuse="noreuse" not in variant,
         prior_table="table" in variant,
+        backward="blockwise" if "bwdblockwise" in variant else None,
         block_q=settings.block_q,
         block_k=settings.block_k,
     )

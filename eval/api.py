@@ -21,6 +21,7 @@ from bam_eval.results import ResultStore
 from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward, capacity_bucket
 from bam_jax.model import Transformer
+from bam_jax.retrieval import DEFAULT_NEEDLES
 
 # What the tables and figures read from each stored entry.
 PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")
@@ -104,13 +105,19 @@ def run_passkey(
     out: str | None = None,
     figures: bool = True,
     progress: bool = True,
+    task: str = "passkey",
+    needles: int = DEFAULT_NEEDLES,
 ) -> Evaluation:
-    """Passkey accuracy per length of each model: `results[name]` lists one entry per
-    length. With `out`, results are kept in OUT/NAME/passkey.json (lengths found there are
-    not run again) and, with `figures`, accuracy and depth figures are drawn under OUT."""
+    """Retrieval accuracy per length of each model: `results[name]` lists one entry per
+    length. `task` is "passkey" or one of bam_jax.retrieval's other TASKS with `needles`
+    keys, values or assignments. With `out`, results are kept in OUT/NAME/passkey.json
+    (lengths found there for the same settings are not run again) and, with `figures`,
+    accuracy and depth figures are drawn under OUT, named after the task."""
     if not lengths and not multiples:
         raise ValueError("give --lengths and/or --multiples")
     check_out_folder(out)
+    figure_name = task_label(task, needles)
+    title = "passkey" if task == "passkey" else f"{task} ({needles} needles)"
     tokenizers = model_tokenizers(list(models), tokenizer)
     evaluation = Evaluation({})
     for m in models:
@@ -123,6 +130,8 @@ def run_passkey(
             tokenizer=text_encoder.name,
             checkpoint=m.checkpoint,
             dtype=inference.dtype,
+            task=task,
+            needles=needles,
         )
         forward, config = inference.prepare(m.model)
         model_lengths = passkey_lengths(m, lengths, multiples)
@@ -146,8 +155,8 @@ def run_passkey(
             evaluation.figures.append(
                 plots.depth_heatmap(
                     evaluation.results[m.name],
-                    os.path.join(out, m.name, f"passkey_depth_{sampling}.png"),
-                    title=f"{m.name}: passkey accuracy by needle depth ({sampling})",
+                    os.path.join(out, m.name, f"{figure_name}_depth_{sampling}.png"),
+                    title=f"{m.name}: {title} accuracy by needle depth ({sampling})",
                 )
             )
     if out is not None and figures:
@@ -155,11 +164,16 @@ def run_passkey(
             plots.accuracy_vs_length(
                 evaluation.results,
                 {m.name: m.train_length for m in models},
-                os.path.join(out, f"passkey_accuracy_{sampling}.png"),
-                title=f"Passkey retrieval ({sampling} needle depths)",
+                os.path.join(out, f"{figure_name}_accuracy_{sampling}.png"),
+                title=f"{title[0].upper()}{title[1:]} retrieval ({sampling} needle depths)",
             )
         )
     return evaluation
+
+
+def task_label(task: str, needles: int) -> str:
+    """The task's name in figure files: passkey, or e.g. multikey4."""
+    return task if task == "passkey" else f"{task}{needles}"
 
 
 def passkey_table(curves: dict[str, list[dict[str, Any]]], train_lengths: dict[str, int]) -> str:

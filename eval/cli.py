@@ -2,6 +2,7 @@
 
   bam-eval passkey RUN [RUN ...] --multiples 1,2,4,8,16,32,64,128,256,500
   bam-eval passkey RUN --lengths 0,1k,2k,4k,8k,16k,32k --samples 20 --sampling random
+  bam-eval retrieval RUN --task multikey --needles 4 --multiples 1,8,64,500
 
 Token counts take k = 1024 and m = 1024**2 (4k = 4096).
   bam-eval perplexity RUN [RUN ...] --data held_out.jsonl --seq-len 32768 --window 1024
@@ -26,6 +27,7 @@ from bam_eval.perplexity import PACKINGS
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_jax.passkey import SAMPLINGS
+from bam_jax.retrieval import DEFAULT_NEEDLES, TASKS, RetrievalTask
 
 
 def parse_count(text: str) -> int:
@@ -138,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     defaults_shown = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
 
     pk = sub.add_parser(
-        "passkey", help="passkey retrieval accuracy vs prompt length", **defaults_shown
+        "passkey",
+        aliases=["retrieval"],
+        help="passkey (or another retrieval task's) accuracy vs prompt length",
+        **defaults_shown,
     )
     _common(pk)
     _inference_options(pk)
@@ -161,6 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pk.add_argument("--patience", type=positive, default=None, help="stop after N lengths at 0%%")
     pk.add_argument("--seed", type=non_negative, default=0)
+    pk.add_argument(
+        "--task",
+        choices=TASKS,
+        default="passkey",
+        help="multikey: one of N keys asked; multivalue: all N values of one key; "
+        "vartrack: a chain of N assignments",
+    )
+    pk.add_argument(
+        "--needles",
+        type=positive,
+        default=DEFAULT_NEEDLES,
+        help="keys, values or assignments per prompt (not passkey)",
+    )
 
     ppl = sub.add_parser("perplexity", help="perplexity per window of positions", **defaults_shown)
     _common(ppl)
@@ -196,9 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         models = api.load_models(args.models, step=args.step)
         if "dtype" in args:
             print(f"compute dtype: {args.dtype} (parameters float32)")
-        return {"passkey": passkey, "perplexity": perplexity, "prior": prior}[args.command](
-            args, models
-        )
+        commands = {"passkey": passkey, "retrieval": passkey, "perplexity": perplexity}
+        return {**commands, "prior": prior}[args.command](args, models)
     except ValueError as e:
         print(f"bam-eval: error: {e}", file=sys.stderr)
         return 2
@@ -207,8 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def check_arguments(args: argparse.Namespace) -> None:
     """What can be checked before any model loads."""
     api.check_out_folder(args.out)
-    if args.command == "passkey" and not (args.lengths or args.multiples):
-        raise ValueError("give --lengths and/or --multiples")
+    if args.command in ("passkey", "retrieval"):
+        if not (args.lengths or args.multiples):
+            raise ValueError("give --lengths and/or --multiples")
+        RetrievalTask(args.task, args.needles)
     if args.command == "perplexity":
         api.check_perplexity_window(args.seq_len, args.window)
 
@@ -246,8 +265,11 @@ def passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
             out=args.out,
             figures=not args.no_plots,
             progress=not args.quiet,
+            task=args.task,
+            needles=args.needles,
         )
-        print(f"\nPasskey accuracy (%), sampling {sampling}, {args.samples} samples per length")
+        name = "Passkey" if args.task == "passkey" else f"{args.task} ({args.needles} needles)"
+        print(f"\n{name} accuracy (%), sampling {sampling}, {args.samples} samples per length")
         print(api.passkey_table(evaluation.results, train_lengths))
         _print_figures(evaluation.figures[-1:])
     for m in models:

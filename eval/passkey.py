@@ -20,13 +20,13 @@ from tqdm.auto import tqdm
 from bam_eval.memory import check_sample_memory
 from bam_eval.results import ResultStore
 from bam_jax.inference import ChunkedForward, capacity_bucket
-from bam_jax.passkey import (
-    PREDICTED_DIGITS,
-    SAMPLINGS,
-    PasskeySample,
-    TextEncoder,
-    build_passkey_samples,
-    passkey_template,
+from bam_jax.passkey import SAMPLINGS, PasskeySample, TextEncoder
+from bam_jax.retrieval import (
+    DEFAULT_NEEDLES,
+    RetrievalTask,
+    build_task_samples,
+    check_target_length,
+    task_token_budget,
 )
 
 logger = logging.getLogger("bam.eval")
@@ -43,8 +43,11 @@ class PasskeySettings:
     tokenizer: str = ""
     checkpoint: str = ""
     dtype: str = "float32"
+    task: str = "passkey"
+    needles: int = DEFAULT_NEEDLES
 
     def __post_init__(self) -> None:
+        RetrievalTask(self.task, self.needles)
         if self.sampling not in SAMPLINGS:
             raise ValueError(f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}")
         if self.n_samples < 1:
@@ -52,8 +55,17 @@ class PasskeySettings:
         if self.prefix_digits < 0:
             raise ValueError(f"prefix_digits must be >= 0, got {self.prefix_digits}")
 
+    @property
+    def retrieval_task(self) -> RetrievalTask:
+        return RetrievalTask(self.task, self.needles)
+
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The results key; a passkey sweep leaves out the task fields, so results stored
+        before there were other tasks still match."""
+        settings = dataclasses.asdict(self)
+        if self.task == "passkey":
+            del settings["task"], settings["needles"]
+        return settings
 
 
 def samples_for_length(
@@ -61,8 +73,9 @@ def samples_for_length(
 ) -> list[PasskeySample]:
     """The samples of one length: the same for every run with the same settings."""
     rng = np.random.default_rng([settings.seed, target_length])
-    return build_passkey_samples(
+    return build_task_samples(
         tokenizer,
+        settings.retrieval_task,
         target_length,
         settings.n_samples,
         sampling=settings.sampling,
@@ -114,10 +127,6 @@ def auto_batch_size(
     largest = int(max(1, min(n_samples, memory_budget_bytes // per_row)))
     n_batches = -(-n_samples // largest)
     return -(-n_samples // n_batches)
-
-
-def key_token_count(tokenizer: TextEncoder, prefix_digits: int) -> int:
-    return len(tokenizer.encode(" " + "9" * (PREDICTED_DIGITS + prefix_digits)))
 
 
 def _length_entry(
@@ -178,18 +187,16 @@ def evaluate_passkey(
             n_samples, cache_bytes_per_slot, capacity, memory_budget_bytes, activation_bytes
         )
 
-    template = passkey_template(tokenizer, prefix_digits=settings.prefix_digits)
+    task = settings.retrieval_task
     lengths = sorted(set(int(n) for n in lengths))
-    for n in lengths:
-        template.n_filler(n)  # a length below the prompt's minimum fails before any work
+    for n in lengths:  # a length below the prompt's minimum fails before any work
+        check_target_length(tokenizer, task, n, settings.prefix_digits)
     todo = [n for n in lengths if store.get(settings.as_dict(), str(n)) is None]
     if todo:
-        longest = template.prompt_length(todo[-1]) + key_token_count(
-            tokenizer, settings.prefix_digits
-        )
+        longest = task_token_budget(tokenizer, task, todo[-1], settings.prefix_digits)
         capacity = capacity_bucket(longest, scorer.chunk_size)
         check_sample_memory(
-            f"passkey length {todo[-1]} ({longest} tokens)",
+            f"{task.name} length {todo[-1]} ({longest} tokens)",
             capacity,
             cache_bytes_per_slot,
             activation_bytes,
@@ -204,7 +211,7 @@ def evaluate_passkey(
     bar = tqdm(
         total=len(todo) * settings.n_samples,
         disable=not on_terminal or not todo,
-        desc=f"passkey {label}".strip(),
+        desc=f"{task.name} {label}".strip(),
         unit="sample",
     )
     log_label = label if progress and not on_terminal else None
@@ -249,7 +256,8 @@ def _sweep(
             store.put(settings.as_dict(), str(n), entry)
             if log_label is not None:
                 logger.info(
-                    "passkey %s: length %d, accuracy %.0f%% (%d samples, %.2f s each)",
+                    "%s %s: length %d, accuracy %.0f%% (%d samples, %.2f s each)",
+                    settings.task,
                     log_label,
                     n,
                     100 * entry["accuracy"],

@@ -145,7 +145,8 @@ def test_smoke_run_covers_every_section(tmp_path: Path) -> None:
     for section in ("## a. Gate", "## b. Attention throughput", "## c. Training step"):
         assert section in text
     assert "## d. Autotune" in text and "Fastest: `GPU_DEFAULTS[32] = GpuDefaults(64, 32" in text
-    for variant in ("pallas+ggd", "pallas", "pallas+ggd-table", "blockwise+ggd", "jax-mha", "xla"):
+    variants = ("pallas+ggd", "pallas", "pallas+ggd-table", "pallas+ggd-bwdblockwise")
+    for variant in (*variants, "blockwise+ggd", "jax-mha", "xla"):
         rows = [line for line in text.splitlines() if line.startswith(f"| {variant} | 64 |")]
         assert len(rows) == 2 and not any("failed" in line for line in rows), rows
     blockwise_step = next(line for line in text.splitlines() if line.startswith("| blockwise |"))

@@ -112,6 +112,23 @@ def test_clear_errors(run_dir, tmp_path, capsys) -> None:
     assert "do not match" in capsys.readouterr().err
 
 
+def test_retrieval_task_keeps_its_own_results_and_figures(run_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    common = f"m={run_dir} --tokenizer byte --lengths 700 --samples 2 --chunk-size 128 --quiet"
+    assert main(f"passkey {common} --out {out}".split()) == 0
+    argv = f"retrieval {common} --task multikey --needles 3 --out {out}".split()
+    assert main(argv) == 0
+    assert "multikey (3 needles) accuracy (%)" in capsys.readouterr().out
+    runs = json.loads((out / "m" / "passkey.json").read_text())["runs"].values()
+    tasks = sorted(run["settings"].get("task", "passkey") for run in runs)
+    assert tasks == ["multikey", "passkey"]
+    assert (out / "multikey3_accuracy_equidistant.png").stat().st_size > 0
+    assert (out / "passkey_accuracy_equidistant.png").stat().st_size > 0
+    argv = f"retrieval {common} --task vartrack --needles 1 --out {out}".split()
+    assert main(argv) == 2
+    assert "needles must be in [2, 10]" in capsys.readouterr().err
+
+
 def test_run_passkey_returns_what_the_command_stores(run_dir, tmp_path) -> None:
     argv = (
         f"passkey m={run_dir} --tokenizer byte --lengths 300,400 --samples 3 "
