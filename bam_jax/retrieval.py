@@ -27,6 +27,7 @@ from itertools import pairwise
 import numpy as np
 
 from bam_jax.passkey import (
+    FILLER,
     FILLER_NOUNS,
     PREDICTED_DIGITS,
     PasskeySample,
@@ -155,10 +156,11 @@ def build_task_sample(
     rng: np.random.Generator,
     depth: float,
     prefix_digits: int = 1,
+    filler: str = FILLER,
 ) -> PasskeySample:
     """One prompt of at most `target_length` tokens (the answer comes on top) whose placed
     needle sits at the fraction `depth` in [0, 1] of the filler."""
-    template = passkey_template(tokenizer, prefix_digits=prefix_digits)
+    template = passkey_template(tokenizer, prefix_digits=prefix_digits, filler=filler)
     content = _content(task, rng, prefix_digits)
     fixed = len(template.task) + len(tokenizer.encode(content.question))
     fixed += sum(len(tokenizer.encode(text)) for text in content.needles)

@@ -9,6 +9,8 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
   that starts with local and flat heads, trained longer (5000 steps of 32 prompts) at
   context 128, on the answer digits plus 16 random prompt positions per row (next-token
   prediction), with the passkey strings' share of the Mistral vocabulary.
+- quickstart_multikey: the quick start with half of its prompts multi-key (two needles
+  with different nouns and keys, one asked for; bam_jax.retrieval).
 - quickstart_answer_loss: the quick start's first recipe (the README's recipe table): one
   prior shared by the layers, the full Mistral vocabulary, 3000 steps on the answer digits
   only.
@@ -97,6 +99,14 @@ def quickstart() -> TrainConfig:
     )
 
 
+def quickstart_multikey() -> TrainConfig:
+    """The quick start with half of its prompts multi-key: two needles with different nouns
+    and keys, the question asking for one (what a passkey-only model is never taught)."""
+    cfg = quickstart()
+    data = dataclasses.replace(cfg.data, passkey_multikey_fraction=0.5, passkey_multikey_needles=2)
+    return cfg.replace(data=data)
+
+
 def quickstart_answer_loss() -> TrainConfig:
     """The quick start's first recipe (the README's recipe table): one prior shared by both
     layers, the full Mistral vocabulary, 3000 steps, loss on the answer digits only."""
@@ -178,6 +188,7 @@ def _paper_preset(size: str, context: int) -> Callable[[], TrainConfig]:
 TRAINING_PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
     "quickstart": quickstart,
+    "quickstart_multikey": quickstart_multikey,
     "quickstart_answer_loss": quickstart_answer_loss,
     "micro": micro,
     "anchor": anchor,

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import sys
 
 import numpy as np
@@ -105,6 +106,33 @@ def test_passkey_rows_with_language_model_positions(mistral):
         assert row["loss_mask"].sum() == 12 + passkey.PREDICTED_DIGITS
     with pytest.raises(ValueError, match=r"data\.passkey_lm_positions \(200\)"):
         PasskeyRows(DataConfig(passkey_lm_positions=200), mistral, SEQ, seed=0)
+
+
+def test_passkey_rows_with_multikey_prompts(mistral):
+    cfg = DataConfig(passkey_multikey_fraction=0.5, passkey_task_fraction=0.5)
+    rows = PasskeyRows(cfg, mistral, SEQ, seed=0)
+    multikey = 0
+    for index in range(40):
+        row = rows[index]
+        n = int((row["segment_ids"] >= 0).sum())
+        text = mistral.decode(row["inputs"][:n].tolist())
+        asked = re.search(r"What is the (\w+) pass key\?", text)
+        answer = mistral.decode(row["targets"][row["loss_positions"]].tolist())
+        multikey += asked is not None
+        if asked is not None:
+            asked = asked.group(1)
+            assert text.count(" pass key is ") == 2 + 1  # two needles and the question
+            key = text.split(f"The {asked} pass key is ", 1)[1].split(".")[0]
+            assert key.endswith(answer)
+        assert len(answer) == passkey.PREDICTED_DIGITS
+    assert 10 < multikey < 30
+    with pytest.raises(ValueError, match=r"data\.passkey_multikey_needles: 6 needles"):
+        PasskeyRows(
+            DataConfig(passkey_multikey_fraction=0.5, passkey_multikey_needles=6),
+            mistral,
+            SEQ,
+            seed=0,
+        )
 
 
 def test_passkey_all_tokens_loss(mistral):

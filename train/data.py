@@ -35,6 +35,7 @@ import numpy as np
 from bam_jax import passkey
 from bam_jax.io.documents import Document, source_documents
 from bam_jax.io.shards import open_shards, read_meta
+from bam_jax.retrieval import RetrievalTask, build_task_sample, task_min_length
 from bam_jax.tokenizers import Tokenizer, encode_checked, get_tokenizer, special_id
 
 Row = dict[str, np.ndarray]
@@ -61,7 +62,9 @@ class DataConfig:
     start directly with filler or the needle (so needles also sit at a document's first
     positions); passkey_loss "answer" trains the answer digits, "all" every token;
     passkey_lm_positions (with "answer") adds that many random prompt positions per row,
-    trained on predicting their next token.
+    trained on predicting their next token; passkey_multikey_fraction of the rows are
+    multi-key prompts instead (bam_jax.retrieval: passkey_multikey_needles needles with
+    different nouns and keys, one asked for).
     num_threads/prefetch: grain read threads and prefetch buffer (0 threads = in the loop);
     rows are read in order whatever the thread count, so runs stay deterministic.
     """
@@ -80,6 +83,8 @@ class DataConfig:
     passkey_task_fraction: float = 1.0
     passkey_lm_positions: int = 0
     passkey_loss: str = "answer"
+    passkey_multikey_fraction: float = 0.0
+    passkey_multikey_needles: int = 2
     num_threads: int = 2
     prefetch: int = 2
 
@@ -90,7 +95,12 @@ class DataConfig:
             raise ValueError(
                 f"data.passkey_loss must be one of {PASSKEY_LOSSES}, got {self.passkey_loss!r}"
             )
-        for name in ("passkey_paper_filler_fraction", "passkey_task_fraction"):
+        fractions = (
+            "passkey_paper_filler_fraction",
+            "passkey_task_fraction",
+            "passkey_multikey_fraction",
+        )
+        for name in fractions:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"data.{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("val_rows", "num_threads", "prefetch"):
@@ -101,6 +111,10 @@ class DataConfig:
         if self.passkey_lm_positions < 0:
             raise ValueError(
                 f"data.passkey_lm_positions must be >= 0, got {self.passkey_lm_positions}"
+            )
+        if self.passkey_multikey_fraction > 0 and self.passkey_multikey_needles < 2:
+            raise ValueError(
+                f"data.passkey_multikey_needles must be >= 2, got {self.passkey_multikey_needles}"
             )
 
 
@@ -154,6 +168,14 @@ class PasskeyRows:
                 f"{tokenizer.name!r}; got seq_len {seq_len} (and data.passkey_min_length "
                 f"{cfg.passkey_min_length})"
             )
+        self.multikey = RetrievalTask("multikey", max(2, cfg.passkey_multikey_needles))
+        self.multikey_min = task_min_length(tokenizer, self.multikey, cfg.passkey_prefix_digits)
+        if cfg.passkey_multikey_fraction > 0 and self.multikey_min > self.max_prompt:
+            raise ValueError(
+                f"data.passkey_multikey_needles: {self.multikey.needles} needles need prompts "
+                f"of {self.multikey_min} tokens, more than the {self.max_prompt} that "
+                f"model.max_seq_len {seq_len} leaves"
+            )
 
     def __len__(self) -> int:
         return sys.maxsize
@@ -164,15 +186,29 @@ class PasskeyRows:
         filler = passkey.FILLER if use_paper else varied_filler(rng)
         fraction = self.cfg.passkey_task_fraction
         skipped = 0 if fraction >= 1.0 or rng.random() < fraction else self.task_length
-        target = int(rng.integers(self._shortest(skipped), self.max_prompt + 1))
-        sample = passkey.build_passkey_sample(
-            self.tokenizer,
-            target + skipped,
-            key=passkey.random_key(rng, self.cfg.passkey_prefix_digits),
-            depth=float(rng.random()),
-            prefix_digits=self.cfg.passkey_prefix_digits,
-            filler=filler,
-        )
+        multikey = self.cfg.passkey_multikey_fraction
+        if multikey > 0 and rng.random() < multikey:
+            shortest = max(self._shortest(skipped), self.multikey_min - skipped)
+            target = int(rng.integers(shortest, self.max_prompt + 1))
+            sample = build_task_sample(
+                self.tokenizer,
+                self.multikey,
+                target + skipped,
+                rng,
+                float(rng.random()),
+                self.cfg.passkey_prefix_digits,
+                filler,
+            )
+        else:
+            target = int(rng.integers(self._shortest(skipped), self.max_prompt + 1))
+            sample = passkey.build_passkey_sample(
+                self.tokenizer,
+                target + skipped,
+                key=passkey.random_key(rng, self.cfg.passkey_prefix_digits),
+                depth=float(rng.random()),
+                prefix_digits=self.cfg.passkey_prefix_digits,
+                filler=filler,
+            )
         tokens = sample.tokens[skipped:]
         prompt_targets = sample.prompt_length - skipped - 1
         lm = rng.choice(prompt_targets, self.cfg.passkey_lm_positions, replace=False)
