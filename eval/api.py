@@ -194,6 +194,39 @@ def passkey_table(curves: dict[str, list[dict[str, Any]]], train_lengths: dict[s
     return format_table(header, rows)
 
 
+def seed_summary(
+    curves: dict[str, list[dict[str, Any]]], groups: dict[str, list[str]], train_length: int
+) -> str:
+    """Rows: groups (e.g. an encoding's runs over seeds); columns: target lengths, each cell
+    the mean accuracy (%) and its range over the group's runs, "mean [min-max]"."""
+    stats = accuracy_spread(curves, groups)
+    lengths = sorted({n for per_length in stats.values() for n in per_length})
+    header = ["model", "runs"] + [f"{n} ({n / train_length:g}x)" for n in lengths]
+    rows = []
+    for group, per_length in stats.items():
+        cells = [
+            "{:.0f} [{:.0f}-{:.0f}]".format(*per_length[n]) if n in per_length else "-"
+            for n in lengths
+        ]
+        rows.append([group, str(len(groups[group])), *cells])
+    return format_table(header, rows)
+
+
+def accuracy_spread(
+    curves: dict[str, list[dict[str, Any]]], groups: dict[str, list[str]]
+) -> dict[str, dict[int, tuple[float, float, float]]]:
+    """Per group and target length: (mean, min, max) accuracy in % over the group's runs
+    that reached that length."""
+    spread = {}
+    for group, names in groups.items():
+        by_length: dict[int, list[float]] = {}
+        for name in names:
+            for entry in curves[name]:
+                by_length.setdefault(entry["target_length"], []).append(100 * entry["accuracy"])
+        spread[group] = {n: (sum(v) / len(v), min(v), max(v)) for n, v in sorted(by_length.items())}
+    return spread
+
+
 def format_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]

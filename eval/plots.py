@@ -138,6 +138,44 @@ def accuracy_vs_length(
     return _save(fig, path)
 
 
+def accuracy_band(
+    spread: Mapping[str, Mapping[int, tuple[float, float, float]]],
+    train_length: int,
+    path: str,
+    *,
+    title: str,
+) -> str:
+    """One line per group (the mean accuracy over its runs, %) with a band from the lowest
+    to the highest run at each length; log x axis, the training length marked."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
+    styles = _style(list(spread))
+    for name, per_length in spread.items():
+        style = styles[name]
+        xs = [style["dodge"] * n for n in per_length]
+        mean, low, high = (np.asarray(column) for column in zip(*per_length.values(), strict=True))
+        ax.fill_between(xs, low, high, color=style["color"], alpha=0.18, linewidth=0)
+        ax.plot(
+            xs,
+            mean,
+            color=style["color"],
+            linestyle=style["linestyle"],
+            marker=style["marker"],
+            markerfacecolor="none",
+            label=name,
+        )
+    _mark_train_length(ax, [train_length])
+    ax.set_xscale("log")
+    _plain_log_ticks(ax.xaxis)
+    _add_multiple_axis(ax, train_length)
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel("target prompt length (tokens)")
+    ax.set_ylabel("accuracy (%): mean, band from lowest to highest seed")
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    return _save(fig, path)
+
+
 def _target_length(entry: Mapping[str, Any]) -> int:
     return max(int(entry.get("target_length") or entry["prompt_length"]), 1)
 

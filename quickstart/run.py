@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from bam_configs.presets import preset
 from bam_eval import api
+from bam_eval import plots as plot_lib
 from bam_jax.logs import log_to_stdout
 from bam_train.config import TrainConfig
 from bam_train.loop import train
@@ -60,14 +61,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None, help="training steps")
     parser.add_argument(
         "--seed",
+        type=_seeds,
+        default=[0],
+        help="model initialisation and training data (evaluation samples stay the same); "
+        "several, e.g. 0,1,2, train each encoding once per seed and add a table and a "
+        "figure of the mean and range over seeds",
+    )
+    parser.add_argument(
+        "--patience",
         type=int,
-        default=0,
-        help="model initialisation and training data (evaluation samples stay the same)",
+        default=None,
+        help="stop a model's sweep after N consecutive lengths at 0%%",
     )
     parser.add_argument("--multiples", default=DEFAULT_MULTIPLES, help="evaluation lengths")
     parser.add_argument("--samples", type=int, default=10, help="passkey samples per length")
     parser.add_argument("--no-plots", action="store_true")
     return parser
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds like 0 or 0,1,2, got {text!r}") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"expected distinct seeds >= 0, got {text!r}")
+    return seeds
 
 
 def train_and_evaluate(
@@ -79,23 +98,27 @@ def train_and_evaluate(
     samples: int,
     plots: bool = True,
     preset_name: str = "quickstart",
-    seed: int = 0,
+    seeds: Sequence[int] = (0,),
+    patience: int | None = None,
 ) -> int:
-    """Train one run per encoding (resuming finished ones), then evaluate them together."""
-    runs = []
+    """Train one run per encoding and seed (resuming finished ones), then evaluate them
+    together; with several seeds, also the mean and range over each encoding's seeds."""
+    runs, groups = [], {}
     for encoding in encodings:
-        name = run_name(encoding, seed)
-        workdir = os.path.join(out, "runs", name)
-        start = time.perf_counter()
-        cfg = quickstart_config(encoding, steps, preset_name, seed)
-        train(cfg, workdir)
-        print(f"{name}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
-        runs.append(f"{name}={workdir}")
+        for seed in seeds:
+            name = run_name(encoding, seed)
+            workdir = os.path.join(out, "runs", name)
+            start = time.perf_counter()
+            train(quickstart_config(encoding, steps, preset_name, seed), workdir)
+            print(f"{name}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
+            runs.append(f"{name}={workdir}")
+            groups.setdefault(encoding, []).append(name)
     models = api.load_models(runs)
     evaluation = api.run_passkey(
         models,
         multiples=[float(m) for m in multiples.split(",") if m.strip()],
         samples=samples,
+        patience=patience,
         out=out,
         figures=plots,
     )
@@ -103,7 +126,25 @@ def train_and_evaluate(
     print(api.passkey_table(evaluation.results, {m.name: m.train_length for m in models}))
     for path in evaluation.figures[-1:]:
         print(f"figure: {path}")
+    if len(seeds) > 1:
+        print_seed_summary(evaluation.results, groups, models[0].train_length, out, plots)
     return 0
+
+
+def print_seed_summary(
+    results: dict, groups: dict[str, list[str]], train_length: int, out: str, plots: bool
+) -> None:
+    seeds = len(next(iter(groups.values())))
+    print(f"\nOver {seeds} seeds: mean accuracy (%) [lowest-highest seed]")
+    print(api.seed_summary(results, groups, train_length))
+    if plots:
+        path = plot_lib.accuracy_band(
+            api.accuracy_spread(results, groups),
+            train_length,
+            os.path.join(out, "passkey_accuracy_seeds_equidistant.png"),
+            title="Passkey retrieval over seeds (equidistant needle depths)",
+        )
+        print(f"figure: {path}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             samples=args.samples,
             plots=not args.no_plots,
             preset_name=args.preset,
-            seed=args.seed,
+            seeds=args.seed,
+            patience=args.patience,
         )
     except ValueError as e:
         print(f"bam-quickstart: error: {e}", file=sys.stderr)

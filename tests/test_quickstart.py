@@ -35,12 +35,20 @@ def test_quickstart_config_is_the_headline_model():
     assert cfg.seed == 0 and quickstart_config(seed=2).seed == 2
 
 
-def test_seed_trains_its_own_run(tmp_path, capsys):
-    out = _run(tmp_path, "--seed", "3", "--steps", "1", "--multiples", "1", "--samples", "1")
-    assert "bam_ssmax_seed3: trained in" in capsys.readouterr().out
+def test_seeds_train_their_own_runs_and_a_summary(tmp_path, capsys):
+    argv = ("--seed", "0,3", "--steps", "1", "--multiples", "1,2", "--samples", "1")
+    out = _run(tmp_path, *argv, "--patience", "1")
+    printed = capsys.readouterr().out
+    assert "bam_ssmax: trained in" in printed and "bam_ssmax_seed3: trained in" in printed
     with open(os.path.join(out, "runs", "bam_ssmax_seed3", "config.json"), encoding="utf-8") as f:
         assert json.load(f)["seed"] == 3
     assert os.path.exists(os.path.join(out, "bam_ssmax_seed3", "passkey.json"))
+    summary = printed.split("Over 2 seeds: mean accuracy (%) [lowest-highest seed]")[1]
+    row = next(line for line in summary.splitlines() if line.strip().startswith("bam_ssmax"))
+    assert row.split()[1] == "2" and "[" in row
+    assert os.path.getsize(os.path.join(out, "passkey_accuracy_seeds_equidistant.png")) > 0
+    with pytest.raises(SystemExit):
+        main(["--seed", "1,1"])
 
 
 def test_quickstart_smoke(tmp_path, capsys):
