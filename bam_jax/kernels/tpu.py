@@ -3,8 +3,9 @@
 Grid (batch, heads, query blocks, key blocks), the last axis sequential: the running max,
 sum and accumulator live in VMEM scratch across key blocks. The key/value index map is
 clamped to the band a query block can see, so blocks outside it are never fetched, and
-their grid steps do nothing. Within a key block the kernel walks chunks of
-TPU_KEY_CHUNK keys, so the live logits tile is [block_q, 256] whatever the key block.
+their grid steps do nothing. Within a key block that is a multiple of TPU_KEY_CHUNK (256)
+keys the kernel walks chunks of that many, so the live logits tile is [block_q, 256]
+however large the key block fetched.
 Mosaic tiles the last two dims of every block, so tensors are laid out [B, H, T, D] and
 row vectors as [.., T, 1] / [.., 1, S].
 
