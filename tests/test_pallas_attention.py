@@ -305,7 +305,8 @@ class PowerLawPrior:
         return -weight * jnp.sqrt(jnp.abs(distance))[None]
 
 
-@pytest.mark.parametrize("backend", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_any_prior_reads_from_the_table(backend: str) -> None:
     case = Case(q_len=40, offset=9, documents=True, ssmax=True)
     prior = PowerLawPrior(jnp.asarray([0.3, 0.1, 1.0, 0.0], jnp.float32))
@@ -322,7 +323,7 @@ def test_any_prior_reads_from_the_table(backend: str) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("prior_table", [False, True])
+@pytest.mark.parametrize("prior_table", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_largest_gpu_blocks(prior_table: bool) -> None:
     check_values(
         Case(q_len=300, ssmax=True, block_q=256, block_k=128, prior_table=prior_table), "gpu"

@@ -128,6 +128,7 @@ def test_fused_backward_with_documents_matches_blockwise() -> None:
         np.testing.assert_array_equal(np.asarray(grad)[k_padding], 0.0)
 
 
+@pytest.mark.slow
 def test_fused_backward_bfloat16_inputs() -> None:
     # ALiBi, multi-head (kv_heads = heads), SSMax inside.
     case = Case(q_len=20, offset=5, prior="alibi", ssmax=True, kv_heads=4)
@@ -139,6 +140,7 @@ def test_fused_backward_bfloat16_inputs() -> None:
     assert_close(fused, gradients(case, inputs, "blockwise"), atol=BFLOAT16_VS_BLOCKWISE)
 
 
+@pytest.mark.slow
 def test_fused_backward_after_a_table_forward() -> None:
     # The forward reads the prior from its table; the backward recomputes it per element.
     check_fused_backward(Case(q_len=40, ssmax=True, theta_mu=0.4, prior_table=True, batch=1))

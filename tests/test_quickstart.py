@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from bam_eval import api
 from bam_quickstart.run import main, quickstart_config
 
 
@@ -35,6 +36,20 @@ def test_quickstart_config_is_the_headline_model():
     assert cfg.seed == 0 and quickstart_config(seed=2).seed == 2
 
 
+def test_seed_summary_gives_mean_and_range_per_group():
+    def entries(*accuracies):
+        return [{"target_length": 128 * 2**i, "accuracy": a} for i, a in enumerate(accuracies)]
+
+    curves = {"a": entries(1.0, 0.5), "a_seed1": entries(1.0, 0.9), "b": entries(0.2)}
+    groups = {"a": ["a", "a_seed1"], "b": ["b"]}
+    assert api.accuracy_spread(curves, groups)["a"][256] == pytest.approx((70.0, 50.0, 90.0))
+    table = api.seed_summary(curves, groups, 128).splitlines()
+    assert table[0].split()[:4] == ["model", "runs", "128", "(1x)"]
+    assert table[2].split() == ["a", "2", "100", "[100-100]", "70", "[50-90]"]
+    assert table[3].split() == ["b", "1", "20", "[20-20]", "-"]
+
+
+@pytest.mark.slow
 def test_seeds_train_their_own_runs_and_a_summary(tmp_path, capsys):
     argv = ("--seed", "0,3", "--steps", "1", "--multiples", "1,2", "--samples", "1")
     out = _run(tmp_path, *argv, "--patience", "1")
