@@ -99,11 +99,13 @@ def check_fused_backward(case: Case, seed: int = 0) -> tuple[dict, tuple]:
 # Default suite.
 
 
+@pytest.mark.slow
 def test_fused_backward_matches_blockwise_and_reference() -> None:
     # Several full (unmasked) key blocks below the diagonal, theta_mu != 0, SSMax inside.
     check_fused_backward(Case(q_len=70, ssmax=True, theta_mu=0.5))
 
 
+@pytest.mark.slow
 def test_fused_backward_with_documents_matches_blockwise() -> None:
     # Documents with padding and a hole, a query offset, SSMax outside, one kv head,
     # block_q > block_k, lengths not a block multiple. (The gradient tests of
