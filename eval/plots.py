@@ -116,26 +116,38 @@ def accuracy_vs_length(
         style = styles[name]
         xs = [style["dodge"] * _target_length(e) for e in entries]
         ys = [100.0 * e["accuracy"] for e in entries]
-        ax.plot(
-            xs,
-            ys,
-            color=style["color"],
-            linestyle=style["linestyle"],
-            marker=style["marker"],
-            markerfacecolor="none",
-            label=name,
-        )
-    _mark_train_length(ax, list(train_lengths.values()))
+        _accuracy_line(ax, style, xs, ys, name)
+    train = list(train_lengths.values())
+    _accuracy_axes(ax, train, _shared_train_length(train_lengths), "accuracy (%)", title)
+    return _save(fig, path)
+
+
+def _accuracy_line(ax: plt.Axes, style: dict[str, Any], xs, ys, name: str) -> None:
+    ax.plot(
+        xs,
+        ys,
+        color=style["color"],
+        linestyle=style["linestyle"],
+        marker=style["marker"],
+        markerfacecolor="none",
+        label=name,
+    )
+
+
+def _accuracy_axes(
+    ax: plt.Axes, train_lengths: list, shared_train_length, ylabel: str, title: str
+) -> None:
+    """Log length axis with the training length(s) marked and a multiples axis on top."""
+    _mark_train_length(ax, train_lengths)
     ax.set_xscale("log")
     _plain_log_ticks(ax.xaxis)
-    _add_multiple_axis(ax, _shared_train_length(train_lengths))
+    _add_multiple_axis(ax, shared_train_length)
     ax.set_ylim(-3, 103)
     ax.set_xlabel("target prompt length (tokens)")
-    ax.set_ylabel("accuracy (%)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
-    return _save(fig, path)
 
 
 def accuracy_band(
@@ -154,25 +166,9 @@ def accuracy_band(
         xs = [style["dodge"] * n for n in per_length]
         mean, low, high = (np.asarray(column) for column in zip(*per_length.values(), strict=True))
         ax.fill_between(xs, low, high, color=style["color"], alpha=0.18, linewidth=0)
-        ax.plot(
-            xs,
-            mean,
-            color=style["color"],
-            linestyle=style["linestyle"],
-            marker=style["marker"],
-            markerfacecolor="none",
-            label=name,
-        )
-    _mark_train_length(ax, [train_length])
-    ax.set_xscale("log")
-    _plain_log_ticks(ax.xaxis)
-    _add_multiple_axis(ax, train_length)
-    ax.set_ylim(-3, 103)
-    ax.set_xlabel("target prompt length (tokens)")
-    ax.set_ylabel("accuracy (%): mean, band from lowest to highest seed")
-    ax.set_title(title)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+        _accuracy_line(ax, style, xs, mean, name)
+    ylabel = "accuracy (%): mean, band from lowest to highest seed"
+    _accuracy_axes(ax, [train_length], train_length, ylabel, title)
     return _save(fig, path)
 
 
