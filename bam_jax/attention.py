@@ -62,6 +62,7 @@ def dot_product_attention(
     query_offset: int | jax.Array = 0,
     causal: bool = True,
     window: int | None = None,
+    ssmax_max_count: int | jax.Array | None = None,
     implementation: Implementation | Literal["auto"] = "auto",
     block_q: int = 256,
     block_k: int = 256,
@@ -88,6 +89,9 @@ def dot_product_attention(
       query_offset: position of the first query (a KV cache's fill level when decoding).
       causal: mask keys after the query.
       window: with `causal`, each query sees only the `window` latest positions.
+      ssmax_max_count: with SSMax, n_i is capped at this count, so the scaling stops
+        growing past it (e.g. the training context: the layer then attends as sharply at
+        any length as it did in training). None: no cap.
       implementation: "auto" (the default: `default_implementation()`, blockwise unless
         the Pallas kernel has been validated on this device kind), "reference" (the
         T x S oracle), "blockwise" or "pallas".
@@ -115,6 +119,7 @@ def dot_product_attention(
         query_offset=query_offset,
         causal=causal,
         window=window,
+        ssmax_max_count=ssmax_max_count,
     )
     if implementation == "reference":
         return reference_attention(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, **kwargs)
@@ -141,6 +146,7 @@ def reference_attention(
     query_offset: int | jax.Array,
     causal: bool,
     window: int | None,
+    ssmax_max_count: int | jax.Array | None = None,
 ) -> jax.Array:
     """The oracle: materialises the [B, H, T, S] logits."""
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
@@ -167,7 +173,7 @@ def reference_attention(
         bias_HxTxS = prior.bias(key_positions_S[None, :] - query_positions_T[:, None])
     if ssmax_scale_H is not None:
         visible_BxT = mask_BxTxS.sum(-1)
-        log_n_Bx1xT = log_visible_count(visible_BxT)[:, None, :]
+        log_n_Bx1xT = log_visible_count(visible_BxT, ssmax_max_count)[:, None, :]
         factor_BxHxT = ssmax_scale_H.astype(jnp.float32)[None, :, None] * log_n_Bx1xT
         factor_BxHxTx1 = factor_BxHxT[..., None]
         if bias_HxTxS is not None and ssmax_prior_inside:

@@ -34,6 +34,7 @@ def check_attention_inputs(
     query_offset: int | jax.Array,
     causal: bool,
     window: int | None,
+    ssmax_max_count: int | jax.Array | None = None,
 ) -> None:
     """Raises ValueError (shapes, values) or TypeError (dtypes) naming the bad argument.
 
@@ -50,6 +51,8 @@ def check_attention_inputs(
             f"ssmax_scale_H must have shape ({num_heads},) (one per query head), "
             f"got {jnp.shape(ssmax_scale_H)}"
         )
+    if ssmax_max_count is not None:
+        _check_ssmax_max_count(ssmax_max_count, ssmax_scale_H)
     _check_segment_ids(query_segment_ids_BxT, key_segment_ids_BxS, batch, q_len, kv_len)
     _check_positions(query_offset, causal, window, ssmax_prior_inside)
 
@@ -63,6 +66,7 @@ CHECKED_ARGUMENTS = (
     "query_offset",
     "causal",
     "window",
+    "ssmax_max_count",
 )
 
 
@@ -163,6 +167,18 @@ def _check_segment_ids(q_seg, k_seg, batch: int, q_len: int, kv_len: int) -> Non
                 f"{name} must have a signed integer dtype (document ids, negative for "
                 f"padding), got {jnp.result_type(ids)}"
             )
+
+
+def _check_ssmax_max_count(max_count: int | jax.Array, ssmax_scale_H: jax.Array | None) -> None:
+    if ssmax_scale_H is None:
+        raise ValueError("ssmax_max_count caps SSMax's key count: it needs ssmax_scale_H")
+    if not jnp.issubdtype(jnp.result_type(max_count), jnp.integer) or jnp.ndim(max_count):
+        raise TypeError(
+            f"ssmax_max_count must be an integer scalar (the largest key count SSMax uses), "
+            f"got {max_count!r}"
+        )
+    if isinstance(max_count, (int, np.integer)) and max_count < 1:
+        raise ValueError(f"ssmax_max_count must be >= 1, got {max_count}")
 
 
 def _check_positions(query_offset, causal, window, ssmax_prior_inside) -> None:

@@ -89,6 +89,7 @@ def blockwise_attention(
     window: int | None,
     block_q: int,
     block_k: int,
+    ssmax_max_count: int | jax.Array | None = None,
 ) -> jax.Array:
     """Same function as `reference_attention`, in memory linear in T and S.
 
@@ -112,6 +113,7 @@ def blockwise_attention(
         key_segment_ids_BxS,
         query_offset,
         ssmax=ssmax_scale_H is not None,
+        ssmax_max_count=ssmax_max_count,
     )
     scale_KxG = None if ssmax_scale_H is None else _scale_by_kv_head(static, ssmax_scale_H)
     bias_table = None
@@ -137,6 +139,7 @@ def flash_backward(
     mask: AttentionMask,
     prior_inside: bool,
     block: int,
+    ssmax_max_count: int | jax.Array | None = None,
 ):
     """Cotangents (dq, dk, dv, dprior, dssmax) of an attention forward computed elsewhere
     (the Pallas kernels), from its output and natural-log log-sum-exp (+inf for rows
@@ -152,6 +155,7 @@ def flash_backward(
         key_segment_ids_BxS,
         query_offset,
         ssmax=ssmax_scale_H is not None,
+        ssmax_max_count=ssmax_max_count,
     )
     q_pad = static.q_len_padded - q_len
     out, d_out = (_pad_axis1(x, q_pad, 0) for x in (out_BxTxHxD, d_out_BxTxHxD))
@@ -202,6 +206,7 @@ def _pad_inputs(
     query_offset,
     *,
     ssmax: bool,
+    ssmax_max_count: int | jax.Array | None = None,
 ) -> _Padded:
     q_len = q.shape[1]
     q_pad, kv_pad = static.q_len_padded - q_len, -k.shape[1] % static.block_k
@@ -212,7 +217,7 @@ def _pad_inputs(
     log_n = None
     if ssmax:
         counts_BxT = static.mask.visible_counts(static.q_len_padded, offset, q_seg, k_seg)
-        log_n = log_visible_count(counts_BxT)
+        log_n = log_visible_count(counts_BxT, ssmax_max_count)
     return _Padded(
         q=_pad_axis1(q, q_pad, 0),
         k=_pad_axis1(k, kv_pad, 0),

@@ -56,6 +56,9 @@ class ModelConfig:
 
     Other fields: `n_kv_heads` (None = n_heads) for grouped-query attention;
     `ssmax_prior_inside` puts the BAM prior inside the SSMax scaling (docs/spec.md section 4);
+    `ssmax_capped_layers` caps SSMax's key count n at `max_seq_len` in the first that many
+    layers, so they attend at any length as sharply as at the training context while the
+    later layers scale with the prompt (0, the paper's model: no cap; docs/spec.md section 4);
     `local_window` is the rope_local window (None = max_seq_len, as in the reference);
     `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below);
     `attention_impl`, `block_q`, `block_k` select the attention kernel;
@@ -89,6 +92,7 @@ class ModelConfig:
     train_prior_mu: bool = False
     train_ssmax_scale: bool = True
     ssmax_prior_inside: bool = True
+    ssmax_capped_layers: int = 0
     rope_theta: float = 500000.0
     sinusoidal_theta: float = 10000.0
     local_window: int | None = None
@@ -108,6 +112,7 @@ class ModelConfig:
             _check_positive_int("n_kv_heads", self.n_kv_heads)
         if self.local_window is not None:
             _check_positive_int("local_window", self.local_window)
+        self._check_ssmax_capped_layers()
         for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta", "sinusoidal_theta"):
             value = getattr(self, name)
             if not _is_float32_number(value) or value <= 0:
@@ -140,6 +145,25 @@ class ModelConfig:
         for field in dataclasses.fields(self):
             if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"{field.name} must be a bool, got {getattr(self, field.name)!r}")
+
+    def _check_ssmax_capped_layers(self) -> None:
+        capped = self.ssmax_capped_layers
+        if not isinstance(capped, int) or isinstance(capped, bool):
+            raise ValueError(f"ssmax_capped_layers must be an int, got {capped!r}")
+        if not 0 <= capped <= self.n_layers:
+            raise ValueError(
+                f"ssmax_capped_layers must be in [0, n_layers={self.n_layers}], got {capped}"
+            )
+        if capped and not self.ssmax:
+            raise ValueError(
+                f"ssmax_capped_layers={capped} needs an SSMax encoding (*_ssmax), "
+                f"got encoding {self.encoding!r}"
+            )
+
+    def ssmax_max_counts(self) -> tuple[int | None, ...]:
+        """Per layer: the cap on SSMax's key count (max_seq_len), or None for no cap."""
+        cap = self.max_seq_len
+        return tuple(cap if i < self.ssmax_capped_layers else None for i in range(self.n_layers))
 
     @property
     def head_dim(self) -> int:

@@ -172,9 +172,15 @@ def _segment_count_le(k_seg_S: jax.Array, q_seg_T: jax.Array, limit_T: jax.Array
     return low - start_T
 
 
-def log_visible_count(visible_count: jax.Array) -> jax.Array:
-    """log(max(n_i, 1)) in float32: SSMax's length term (0 for rows with no visible key)."""
-    return jnp.log(jnp.maximum(visible_count, 1).astype(jnp.float32))
+def log_visible_count(
+    visible_count: jax.Array, max_count: int | jax.Array | None = None
+) -> jax.Array:
+    """log(max(n_i, 1)) in float32: SSMax's length term (0 for rows with no visible key),
+    with n_i capped at `max_count` when one is given."""
+    count = jnp.maximum(visible_count, 1)
+    if max_count is not None:
+        count = jnp.minimum(count, max_count)
+    return jnp.log(count.astype(jnp.float32))
 
 
 def visibility_mask(

@@ -179,8 +179,11 @@ class Attention(nnx.Module):
         prior: Prior | None = None,
         kv: KV | None = None,
         cache_length: jax.Array | None = None,
+        ssmax_max_count: int | jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KV]:
-        """Output [B, T, E]; with `kv` (the layer's cache buffers) also the updated buffers."""
+        """Output [B, T, E]; with `kv` (the layer's cache buffers) also the updated buffers.
+
+        `ssmax_max_count` caps SSMax's key count (`dot_product_attention`)."""
         cfg = self.config
         batch, length, _ = x_BxTxE.shape
         q_BxTxHxD = self.wq(x_BxTxE).reshape(batch, length, cfg.n_heads, cfg.head_dim)
@@ -210,6 +213,7 @@ class Attention(nnx.Module):
             query_offset=offset,
             causal=True,
             window=cfg.window,
+            ssmax_max_count=None if self.seq_scale is None else ssmax_max_count,
             implementation=cfg.attention_impl,
             block_q=cfg.block_q,
             block_k=cfg.block_k,
@@ -260,6 +264,7 @@ class TransformerBlock(nnx.Module):
         prior: Prior | None,
         kv: KV | None,
         cache_length: jax.Array | None,
+        ssmax_max_count: int | jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         attended = self.attention(
             self.attention_norm(x_BxTxE),
@@ -267,6 +272,7 @@ class TransformerBlock(nnx.Module):
             prior=prior,
             kv=kv,
             cache_length=cache_length,
+            ssmax_max_count=ssmax_max_count,
         )
         if kv is not None:
             attended, kv = attended
@@ -281,8 +287,9 @@ def _apply_block(
     prior: Prior | None,
     kv: KV | None,
     cache_length: jax.Array | None,
+    ssmax_max_count: int | jax.Array | None,
 ) -> tuple[jax.Array, KV | None]:
-    return block(x_BxTxE, segment_ids_BxT, prior, kv, cache_length)
+    return block(x_BxTxE, segment_ids_BxT, prior, kv, cache_length, ssmax_max_count)
 
 
 def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> TransformerBlock:
@@ -423,9 +430,10 @@ class Transformer(nnx.Module):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         keys, values = [], []
+        max_counts = self.config.ssmax_max_counts()
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
-            h_BxTxE, kv = apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset)
+            h_BxTxE, kv = apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts[i])
             if kv is not None:
                 keys.append(kv[0])
                 values.append(kv[1])
@@ -438,15 +446,24 @@ class Transformer(nnx.Module):
         offset = None if cache is None else cache.length
         # The scan reads and writes stacked [L, ...] buffers: a copy of the cache per call.
         kv = None if cache is None else (jnp.stack(cache.keys), jnp.stack(cache.values))
+        max_counts_L = self._stacked_ssmax_max_counts()
 
-        @nnx.scan(in_axes=(0, nnx.Carry, None, None, 0, None), out_axes=(nnx.Carry, 0))
-        def run(block, h_BxTxE, segment_ids_BxT, prior, kv, offset):
-            return apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset)
+        @nnx.scan(in_axes=(0, nnx.Carry, None, None, 0, None, 0), out_axes=(nnx.Carry, 0))
+        def run(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count):
+            return apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count)
 
-        h_BxTxE, kv = run(self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset)
+        h_BxTxE, kv = run(self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts_L)
         if kv is None:
             return h_BxTxE, None
         return h_BxTxE, (tuple(kv[0]), tuple(kv[1]))
+
+    def _stacked_ssmax_max_counts(self) -> jax.Array | None:
+        """[L] int32 caps for the scanned layers (int32 max: no cap), None without caps."""
+        if not self.config.ssmax_capped_layers:
+            return None
+        no_cap = jnp.iinfo(jnp.int32).max
+        caps = [no_cap if c is None else c for c in self.config.ssmax_max_counts()]
+        return jnp.asarray(caps, jnp.int32)
 
 
 def count_params(model_or_params: nnx.Module | Any) -> int:

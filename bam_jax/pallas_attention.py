@@ -84,6 +84,7 @@ def pallas_attention(
     query_offset: int | jax.Array = 0,
     causal: bool = True,
     window: int | None = None,
+    ssmax_max_count: int | jax.Array | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     backend: Backend | None = None,
@@ -149,17 +150,19 @@ def pallas_attention(
     if prior_reuse and backend == "gpu" and prior_kind == "ggd" and not prior_table:
         config = dataclasses.replace(config, q_splits=_reuse_splits(block_q, block_k))
     offset = jnp.asarray(query_offset, jnp.int32).reshape(1)
-    log_n_BxT = None
+    log_n_BxT = max_count = None
+    if ssmax_max_count is not None:
+        max_count = jnp.asarray(ssmax_max_count, jnp.int32)
     if config.ssmax:
         counts = config.mask.visible_counts(
             q_len, offset[0], query_segment_ids_BxT, key_segment_ids_BxS
         )
-        log_n_BxT = jnp.broadcast_to(log_visible_count(counts), (batch, q_len))
+        log_n_BxT = jnp.broadcast_to(log_visible_count(counts, max_count), (batch, q_len))
     table = None
     if prior_table:
         distances = prior_table_distances(config, offset[0])
         table = -jax.lax.stop_gradient(prior.bias(distances)).astype(jnp.float32)
-    aux = AuxInputs(log_n_BxT, query_segment_ids_BxT, key_segment_ids_BxS, offset, table)
+    aux = AuxInputs(log_n_BxT, query_segment_ids_BxT, key_segment_ids_BxS, offset, table, max_count)
     return _attention(
         config, backward, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, prior, ssmax_scale_H, aux
     )
@@ -341,6 +344,7 @@ def _attention_bwd(config: KernelConfig, backward: Backward, residuals, d_out):
             mask=config.mask,
             prior_inside=config.prior_inside,
             block=BACKWARD_BLOCK,
+            ssmax_max_count=aux.ssmax_max_count,
         )
     aux_cotangent = jax.tree.map(lambda _: None, aux)
     return (*grads, aux_cotangent)

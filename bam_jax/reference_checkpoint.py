@@ -233,6 +233,7 @@ def export_reference_checkpoint(
         raise ValueError(f"fmt must be 'pt' or 'npz', got {fmt!r}")
     if prior_naming not in ("theta", "legacy"):
         raise ValueError(f"prior_naming must be 'theta' or 'legacy', got {prior_naming!r}")
+    run_args = reference_args(config, prior_naming=prior_naming)
     state = reference_state_dict(model, config, prior_naming=prior_naming)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -243,7 +244,6 @@ def export_reference_checkpoint(
         write_atomically(weights_path, lambda f: torch.save(tensors, f))
     else:
         write_atomically(weights_path, lambda f: np.savez(f, **state))
-    run_args = reference_args(config, prior_naming=prior_naming)
     text = json.dumps(run_args, indent=4).encode()
     write_atomically(run_dir / ARGS_FILE, lambda f: f.write(text))
     return weights_path
@@ -268,6 +268,12 @@ def reference_state_dict(
 
 def reference_args(config: ModelConfig, *, prior_naming: PriorNaming = "theta") -> dict:
     """The args.json dictionary the reference code reads for `config`."""
+    if config.ssmax_capped_layers:
+        raise ValueError(
+            f"ssmax_capped_layers={config.ssmax_capped_layers}: the reference code has no cap "
+            "on SSMax's key count, so it would compute other logits past max_seq_len; "
+            "export a model with ssmax_capped_layers=0"
+        )
     window = config.window
     model_args: dict[str, Any] = {
         "dim": config.dim,

@@ -6,14 +6,15 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
 - tiny: the "toy" model (bam_ssmax) on synthetic passkey data at context 128; trains on a
   laptop CPU in minutes.
 - quickstart: the `bam-quickstart` run: the toy bam_ssmax model with a prior per layer
-  that starts with local and flat heads, trained longer (5000 steps of 32 prompts) at
+  that starts with local and flat heads and SSMax capped at the training context in the
+  first layer, trained longer (5000 steps of 32 prompts) at
   context 128, on the answer digits plus 16 random prompt positions per row (next-token
   prediction), with the passkey strings' share of the Mistral vocabulary.
 - quickstart_multikey: the quick start with half of its prompts multi-key (two needles
   with different nouns and keys, one asked for; bam_jax.retrieval).
 - quickstart_answer_loss: the quick start's first recipe (the README's recipe table): one
-  prior shared by the layers, the full Mistral vocabulary, 3000 steps on the answer digits
-  only.
+  prior shared by the layers, no SSMax cap, the full Mistral vocabulary, 3000 steps on the
+  answer digits only.
 - micro: the "nano" model for tests and smoke runs (context 96, Mistral vocabulary).
 - anchor: the configuration of the performance anchor (dim 256, 4 layers, 8 heads,
   vocabulary 32768, context 256, batch 16).
@@ -68,7 +69,10 @@ def quickstart() -> TrainConfig:
 
     Each layer has its own prior, starting with ALiBi slopes and shapes spread over [0, 1]
     (local and flat heads) and learning ten times faster than the weights, so local and
-    retrieval heads separate within the short run. Next-token loss on 16 random prompt
+    retrieval heads separate within the short run. The first layer's SSMax key count is
+    capped at the training context (`ssmax_capped_layers=1`): its local heads then read the
+    preceding tokens as sharply at 500x as in training, which the retrieval head of the
+    second layer needs to copy the key digit by digit. Next-token loss on 16 random prompt
     positions per row, besides the answer digits, makes the first layer's local heads read
     the preceding tokens in a way that survives SSMax sharpening them far past the training
     length. The vocabulary is Mistral's cut down to the passkey strings' tokens, which halves
@@ -85,6 +89,7 @@ def quickstart() -> TrainConfig:
             global_prior=False,
             prior_alpha_init="slope",
             prior_beta_init="linear",
+            ssmax_capped_layers=1,
             attention_impl="blockwise",
             block_q=64,
             block_k=64,
@@ -109,10 +114,13 @@ def quickstart_multikey() -> TrainConfig:
 
 def quickstart_answer_loss() -> TrainConfig:
     """The quick start's first recipe (the README's recipe table): one prior shared by both
-    layers, the full Mistral vocabulary, 3000 steps, loss on the answer digits only."""
+    layers, no SSMax cap, the full Mistral vocabulary, 3000 steps, loss on the answer digits
+    only."""
     cfg = quickstart()
     return cfg.replace(
-        model=dataclasses.replace(cfg.model, vocab_size=32768, global_prior=True),
+        model=dataclasses.replace(
+            cfg.model, vocab_size=32768, global_prior=True, ssmax_capped_layers=0
+        ),
         data=DataConfig(source="passkey", tokenizer="mistral"),
         steps=3000,
     )

@@ -33,9 +33,14 @@ def quickstart_config(
     seed: int = 0,
 ) -> TrainConfig:
     """A preset (default `quickstart`) with another encoding, step count or seed (the seed
-    draws the model's initialisation and the training data)."""
+    draws the model's initialisation and the training data). Encodings without SSMax drop
+    the preset's SSMax cap (`ssmax_capped_layers`); the SSMax ones keep it."""
     cfg = preset(preset_name)
-    cfg = cfg.replace(model=cfg.model.replace(encoding=encoding), seed=seed)
+    model = cfg.model.replace(
+        encoding=encoding,
+        ssmax_capped_layers=cfg.model.ssmax_capped_layers if encoding.endswith("_ssmax") else 0,
+    )
+    cfg = cfg.replace(model=model, seed=seed)
     return cfg if steps is None else cfg.replace(steps=steps)
 
 

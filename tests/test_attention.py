@@ -35,6 +35,7 @@ class Case:
     causal: bool = True
     batch: int = 2
     head_dim: int = 16
+    ssmax_max_count: int | None = None
 
     @property
     def keys(self) -> int:
@@ -103,6 +104,7 @@ def attention_and_grads(case: Case, inputs: dict, implementation: str):
             query_offset=offset,
             causal=case.causal,
             window=case.window,
+            ssmax_max_count=case.ssmax_max_count,
             implementation=implementation,
             block_q=case.block_q,
             block_k=case.block_k,
@@ -209,6 +211,21 @@ DEFAULT_CASES = [
         documents=True,
         ssmax=True,
         prior_inside=False,
+    ),
+    # SSMax's key count capped below the longest rows' counts.
+    Case(q_len=100, block_q=32, block_k=16, documents=True, ssmax=True, ssmax_max_count=30),
+    Case(
+        q_len=24,
+        kv_len=129,
+        offset=90,
+        traced_offset=True,
+        block_q=16,
+        block_k=32,
+        theta_beta=-0.6,
+        ssmax=True,
+        prior_inside=False,
+        kv_heads=2,
+        ssmax_max_count=64,
     ),
 ]
 
@@ -466,3 +483,49 @@ def test_steep_prior_with_ssmax_far_behind_the_cache_stays_finite() -> None:
         for impl in ("reference", "blockwise")
     ]
     assert_close(outs[1], outs[0], 1e-5, "output")
+
+
+def test_capped_ssmax_count_scales_by_the_log_of_the_cap() -> None:
+    """The reference against a numpy softmax of (q.k / sqrt(D) + bias) * s * log(min(n, cap))."""
+    case = Case(q_len=40, heads=2, kv_heads=2, batch=1, ssmax=True, theta_beta=0.5)
+    inputs, cap = make_inputs(case), 9
+    capped = dataclasses.replace(case, ssmax_max_count=cap)
+    out, _ = attention_and_grads(capped, inputs, "reference")
+    q, k, v = (np.asarray(inputs[name], np.float64) for name in "qkv")
+    distance = np.arange(case.q_len)[None, :] - np.arange(case.q_len)[:, None]
+    bias = np.asarray(inputs["prior"].bias(jnp.asarray(distance)), np.float64)
+    count = np.minimum(np.arange(1, case.q_len + 1), cap)
+    factor = np.asarray(inputs["ssmax"], np.float64)[:, None] * np.log(count)[None, :]
+    content = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(case.head_dim)
+    logits = (content + bias) * factor[..., None]
+    logits = np.where(distance <= 0, logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    np.testing.assert_allclose(out, np.einsum("bhts,bshd->bthd", weights, v), rtol=2e-5, atol=2e-6)
+
+
+def test_a_cap_at_or_above_every_count_changes_nothing() -> None:
+    case = Case(q_len=70, block_q=16, block_k=32, documents=True, ssmax=True, kv_heads=2)
+    inputs = make_inputs(case)
+    for implementation in ("reference", "blockwise"):
+        plain, plain_grads = attention_and_grads(case, inputs, implementation)
+        capped, capped_grads = attention_and_grads(
+            dataclasses.replace(case, ssmax_max_count=70), inputs, implementation
+        )
+        np.testing.assert_array_equal(capped, plain)
+        for a, b in zip(jax.tree.leaves(capped_grads), jax.tree.leaves(plain_grads), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(ssmax_max_count=8), ValueError, "needs ssmax_scale_H"),
+        (dict(ssmax_max_count=0, ssmax_scale_H=jnp.ones(4)), ValueError, ">= 1"),
+        (dict(ssmax_max_count=2.5, ssmax_scale_H=jnp.ones(4)), TypeError, "integer scalar"),
+    ],
+)
+def test_bad_ssmax_max_count_raises(kwargs: dict, error: type, message: str) -> None:
+    x = jnp.zeros((1, 8, 4, 16))
+    with pytest.raises(error, match=message):
+        dot_product_attention(x, x, x, implementation="blockwise", **kwargs)

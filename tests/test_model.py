@@ -217,6 +217,35 @@ def test_scan_layers_equals_unrolled():
     assert kernels.shape == (2, 32, 32) and not np.allclose(kernels[0], kernels[1])
 
 
+def test_capped_ssmax_layers_change_only_rows_past_the_training_context():
+    _, model = built("bam_ssmax", global_prior=False, max_seq_len=8)
+    plain = run(model, segments=None)
+    by_capped_layers = {}
+    for capped in (1, 2):
+        capped_model = reconfigure(model, ssmax_capped_layers=capped)
+        logits = run(capped_model, segments=None)
+        np.testing.assert_array_equal(logits[:, :8], plain[:, :8])
+        assert not np.allclose(logits[:, 8:], plain[:, 8:], atol=1e-4)
+        scanned = run(reconfigure(capped_model, scan_layers=True), segments=None)
+        np.testing.assert_allclose(scanned, logits, atol=2e-5)
+        by_capped_layers[capped] = logits
+    assert not np.allclose(by_capped_layers[1][:, 8:], by_capped_layers[2][:, 8:], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(ssmax_capped_layers=3), r"ssmax_capped_layers must be in \[0, n_layers=2\]"),
+        (dict(ssmax_capped_layers=-1), "ssmax_capped_layers must be in"),
+        (dict(ssmax_capped_layers=1.0), "ssmax_capped_layers must be an int"),
+        (dict(ssmax_capped_layers=1, encoding="bam"), "needs an SSMax encoding"),
+    ],
+)
+def test_ssmax_capped_layers_validation(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        micro(**overrides)
+
+
 @jax.jit
 def _loss_and_grads(graphdef, params, rest, tokens):
     def loss(params):

@@ -46,6 +46,7 @@ class Case:
     window: int | None = None
     batch: int = 2
     prior_table: bool = False
+    ssmax_max_count: int | None = None
 
     @property
     def keys(self) -> int:
@@ -96,6 +97,7 @@ def attention_kwargs(case: Case, inputs: dict, **overrides) -> dict:
         query_offset=case.offset,
         causal=case.causal,
         window=case.window,
+        ssmax_max_count=case.ssmax_max_count,
     )
     kwargs.update(overrides)
     return kwargs
@@ -168,7 +170,13 @@ def check_gradients(case: Case, backend: str, seed: int = 0) -> tuple[dict, tupl
 
 DEFAULT_VALUE_CASES = {
     "documents_ssmax_inside_gqa_hd48": Case(
-        q_len=129, documents=True, ssmax=True, theta_mu=0.4, block_q=32, block_k=16
+        q_len=129,
+        documents=True,
+        ssmax=True,
+        theta_mu=0.4,
+        block_q=32,
+        block_k=16,
+        ssmax_max_count=50,
     ),
     "chunked_prefill_alibi_ssmax_outside": Case(
         q_len=7, offset=57, prior="alibi", ssmax=True, prior_inside=False
@@ -205,13 +213,18 @@ def test_gradients_with_saturated_prior_match_reference() -> None:
 
 
 def test_gradients_match_reference() -> None:
-    case = Case(q_len=40, documents=True, ssmax=True, theta_mu=0.4)
+    case = Case(q_len=40, documents=True, ssmax=True, theta_mu=0.4, ssmax_max_count=12)
     inputs, (_, grad_k, grad_v, _, _) = check_gradients(case, "gpu")
     k_padding = np.asarray(inputs["k_seg"]) < 0
     assert k_padding.any()
     for grad in (grad_k, grad_v):
         assert np.all(np.isfinite(np.asarray(grad)))
         np.testing.assert_array_equal(np.asarray(grad)[k_padding], 0.0)
+
+
+def test_capped_ssmax_count_gradients_through_the_blockwise_backward() -> None:
+    # The TPU kernel's backward is bam_jax.blockwise.flash_backward: the cap must reach it.
+    check_gradients(Case(q_len=24, ssmax=True, ssmax_max_count=10, batch=1), "tpu")
 
 
 def test_bidirectional_window_with_documents() -> None:

@@ -294,6 +294,14 @@ def test_exported_args_are_readable_by_the_reference(runs, tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_capped_ssmax_model_is_not_exported(runs, tmp_path):
+    config, model = load_reference_checkpoint(runs["bam_ssmax-layer-legacy"][0])
+    capped = config.replace(ssmax_capped_layers=1)
+    with pytest.raises(ValueError, match="ssmax_capped_layers=1: the reference code has no cap"):
+        export_reference_checkpoint(model, capped, tmp_path / "run", fmt="npz")
+    assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------- bad inputs
 
 
