@@ -147,6 +147,7 @@ def test_bfloat16_logits_within_tolerance_at_1k_tokens(encoding):
     assert_within_tolerance(half, logits(model, tokens_BxT))
 
 
+@pytest.mark.slow
 def test_bfloat16_logits_within_tolerance_at_16k_tokens():
     model = Transformer(tiny(16384), rngs=nnx.Rngs(0))
     tokens_BxT = tokens(16384, model.config.vocab_size)

@@ -208,11 +208,16 @@ def _tokens(seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, (2, LENGTH), dtype=np.int32)
 
 
+@nnx.jit
+def _forward(model, tokens_BxT, segment_ids_BxT):
+    return model(tokens_BxT, segment_ids_BxT)
+
+
 def _logits(model, tokens: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
     import jax.numpy as jnp
 
     segments = None if segment_ids is None else jnp.asarray(segment_ids)
-    return np.asarray(model(jnp.asarray(tokens), segments))
+    return np.asarray(_forward(model, jnp.asarray(tokens), segments))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
