@@ -7,9 +7,9 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
   laptop CPU in minutes.
 - quickstart: the `bam-quickstart` run: the toy bam_ssmax model with a prior per layer
   that starts with local and flat heads and SSMax capped at the training context in the
-  first layer, trained longer (5000 steps of 32 prompts) at
-  context 128, on the answer digits plus 16 random prompt positions per row (next-token
-  prediction), with the passkey strings' share of the Mistral vocabulary.
+  first layer, trained longer (5000 steps of 32 prompts) at context 128, on the answer
+  digits plus 16 random prompt positions per row (next-token prediction), with the passkey
+  strings' share of the Mistral vocabulary.
 - quickstart_multikey: the quick start with half of its prompts multi-key (two needles
   with different nouns and keys, one asked for; bam_jax.retrieval).
 - quickstart_answer_loss: the quick start's first recipe (the README's recipe table): one

@@ -102,3 +102,17 @@ def test_quickstart_shortened_end_to_end(tmp_path, capsys):
     assert len(accuracies) == 3
     assert all(0.0 <= a <= 1.0 for a in accuracies.values())
     assert os.path.exists(os.path.join(out, "bam_ssmax", "passkey_depth_equidistant.png"))
+
+
+# A seed that no recipe choice was tuned or checked on (those used 0, 1 and 2).
+UNTUNED_SEED = 5
+
+
+@pytest.mark.slow
+def test_the_recipe_retrieves_at_500x_with_an_untuned_seed(tmp_path):
+    """The whole quick-start recipe (5000 steps, about 20 minutes on 2 cores) with a fresh
+    seed: at least 80% of 20 passkey prompts at 500x the training length."""
+    out = _run(tmp_path, "--seed", str(UNTUNED_SEED), "--multiples", "500", "--samples", "20")
+    accuracies = _accuracies(out, f"bam_ssmax_seed{UNTUNED_SEED}")
+    assert list(accuracies) == [500 * quickstart_config().seq_len]
+    assert accuracies[500 * quickstart_config().seq_len] >= 0.8, accuracies
