@@ -213,7 +213,7 @@ class Attention(nnx.Module):
             query_offset=offset,
             causal=True,
             window=cfg.window,
-            ssmax_max_count=None if self.seq_scale is None else ssmax_max_count,
+            ssmax_max_count=ssmax_max_count,
             implementation=cfg.attention_impl,
             block_q=cfg.block_q,
             block_k=cfg.block_k,
