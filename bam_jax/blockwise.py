@@ -429,19 +429,23 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
         q_seg_tile = _slice_or_none(q_seg, q_start, bq)
         q_pos = q_start + offset + jnp.arange(bq, dtype=jnp.int32)
 
-        def key_block(kb, state):
+        def key_block(kb, state, *, masked: bool):
             m, denom, acc = state
             k_start = kb * bk
             k_tile, v_tile = _keys_tile(k, k_start, bk), _keys_tile(v, k_start, bk)
             logits = _tile_logits(
                 static, q_tile, k_tile, bias_table, scale, log_n, q_start, k_start
             )
-            k_seg_tile = _slice_or_none(k_seg, k_start, bk)
-            mask = _tile_mask(static, q_pos, k_start + jnp.arange(bk), q_seg_tile, k_seg_tile)
-            logits = jnp.where(_expand_rows(static, mask, batch), logits, _NEG_INF)
+            if masked:
+                k_seg_tile = _slice_or_none(k_seg, k_start, bk)
+                mask = _tile_mask(static, q_pos, k_start + jnp.arange(bk), q_seg_tile, k_seg_tile)
+                logits = jnp.where(_expand_rows(static, mask, batch), logits, _NEG_INF)
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-            p = jnp.exp(logits - m_safe[..., None])
+            # XLA may compute the max and the exponent from two fusions of the logits, and
+            # at |logits| ~ 1e9 (a steep prior far back) their ulp is 1e2: the clamp keeps
+            # that rounding from overflowing exp.
+            p = jnp.exp(jnp.minimum(logits - m_safe[..., None], 0.0))
             correction = jnp.exp(m - m_safe)
             denom = denom * correction + jnp.sum(p, axis=-1)
             acc = acc * correction[..., None] + lax.dot_general(p, v_tile, _NN)
@@ -454,7 +458,10 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
             jnp.zeros(q_tile.shape, jnp.float32),
         )
         lo, hi = static.mask.key_blocks(q_start + offset, bq, bk)
-        m, denom, acc = lax.fori_loop(lo, hi, key_block, init)
+        # Blocks every query of the block sees whole need no mask (bit for bit the same).
+        full = static.mask.full_key_blocks_stop(q_start + offset, bk, lo, hi, q_seg is not None)
+        state = lax.fori_loop(lo, full, functools.partial(key_block, masked=False), init)
+        m, denom, acc = lax.fori_loop(full, hi, functools.partial(key_block, masked=True), state)
         seen = denom > 0
         safe_denom = jnp.where(seen, denom, 1.0)
         out_tile = _rows_to_bthd(static, acc / safe_denom[..., None], batch).astype(out.dtype)
