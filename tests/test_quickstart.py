@@ -104,8 +104,8 @@ def test_quickstart_shortened_end_to_end(tmp_path, capsys):
     assert os.path.exists(os.path.join(out, "bam_ssmax", "passkey_depth_equidistant.png"))
 
 
-# A seed that no recipe choice was tuned or checked on (those used 0, 1 and 2).
-UNTUNED_SEED = 5
+# A seed that no recipe choice was tuned or checked on (those used 0, 1, 2, 5 and 7).
+UNTUNED_SEED = 11
 
 
 @pytest.mark.slow
