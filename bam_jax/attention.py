@@ -64,8 +64,8 @@ def dot_product_attention(
     window: int | None = None,
     ssmax_max_count: int | jax.Array | None = None,
     implementation: Implementation | Literal["auto"] = "auto",
-    block_q: int = 256,
-    block_k: int = 256,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Attention output [B, T, H, D] in the query's dtype.
 
@@ -95,7 +95,8 @@ def dot_product_attention(
       implementation: "auto" (the default: `default_implementation()`, blockwise unless
         the Pallas kernel has been validated on this device kind), "reference" (the
         T x S oracle), "blockwise" or "pallas".
-      block_q, block_k: tile sizes of the blockwise and Pallas implementations.
+      block_q, block_k: tile sizes of the blockwise and Pallas implementations (None: the
+        implementation's default, blockwise.DEFAULT_BLOCK or the Pallas backend's).
     """
     query_BxTxHxD, key_BxSxKxD, value_BxSxKxD = (
         jnp.asarray(x) for x in (query_BxTxHxD, key_BxSxKxD, value_BxSxKxD)

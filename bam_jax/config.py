@@ -61,7 +61,8 @@ class ModelConfig:
     later layers scale with the prompt (0, the paper's model: no cap; docs/spec.md section 4);
     `local_window` is the rope_local window (None = max_seq_len, as in the reference);
     `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below);
-    `attention_impl`, `block_q`, `block_k` select the attention kernel;
+    `attention_impl`, `block_q`, `block_k` select the attention kernel and its tiles (None:
+    the implementation's default, which for Pallas depends on the backend and head dim);
     `remat` rematerialises each block in the backward pass; `scan_layers` stacks the
     blocks and scans over them (faster compilation of deep models).
 
@@ -98,8 +99,8 @@ class ModelConfig:
     local_window: int | None = None
     dtype: str = "float32"
     attention_impl: str = "blockwise"
-    block_q: int = 256
-    block_k: int = 256
+    block_q: int | None = None
+    block_k: int | None = None
     remat: bool = False
     scan_layers: bool = False
 
@@ -107,7 +108,8 @@ class ModelConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
             _check_positive_int(name, getattr(self, name))
         for name in ("block_q", "block_k"):
-            _check_positive_int(name, getattr(self, name))
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is not None:
             _check_positive_int("n_kv_heads", self.n_kv_heads)
         if self.local_window is not None:

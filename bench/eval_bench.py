@@ -9,9 +9,12 @@ on them), the Mistral tokenizer and the paper's prompt; one untimed sample compi
 steps, then `--repeats` samples are timed. A length whose time, extrapolated
 quadratically from the previous one, exceeds `--max-seconds` is not run (its planned
 memory is still compiled and shown) and marked so.
-Columns: wall seconds per sample, CPU seconds per sample (all threads; steadier than
-wall time on a shared machine), the first call (compile + one sample), peak RSS, the
-KV cache and the compiled scratch of one prefill step, and the 1-minute load average.
+Columns: wall seconds per sample, CPU seconds per sample (all threads), the first call
+(compile + one sample), peak RSS, the KV cache and the compiled scratch of one prefill
+step, the float32 matmul rate measured in the same child before and after the timed
+samples, and the attention's share of it: causal attention FLOPs (4 x head dim per visible
+logit, every layer and head) per second over the mean matmul rate. Attention blocks are
+the evaluation's defaults (bam_eval.models.for_inference) unless --block-q/--block-k.
 
 "anchor" is the long-context inference configuration of docs/benchmarks.md (bam_ssmax, dim 256,
 4 layers, 8 heads, vocabulary 32768, chunk 512), where the reference PyTorch code takes
@@ -42,11 +45,17 @@ REFERENCE_SECONDS = {4096: 4.8, 8192: 17.7, 16384: 61.0}
 
 
 def measure(
-    model_name: str, length: int, chunk: int, block_k: int, repeats: int, compile_only: bool
+    model_name: str,
+    length: int,
+    chunk: int,
+    blocks: tuple[int | None, int | None],
+    repeats: int,
+    compile_only: bool,
 ) -> dict:
     """Runs in the child process: compile once, then time `repeats` samples (or only report
     the planned memory with `compile_only`)."""
     import numpy as np
+    from matmul_rate import matmul_gflops
 
     from bam_eval.memory import cache_bytes_per_slot
     from bam_eval.models import for_inference, random_model
@@ -57,7 +66,7 @@ def measure(
 
     spec = dict(MODELS[model_name])
     config = ModelConfig.of_size(spec.pop("preset"), encoding="bam_ssmax", **spec)
-    model = for_inference(random_model(config), block_q=chunk, block_k=block_k)
+    model = for_inference(random_model(config), block_q=blocks[0], block_k=blocks[1])
     scorer = ChunkedForward(model, chunk_size=chunk)
     tokenizer = get_tokenizer("mistral")
     samples = samples_for_length(
@@ -76,20 +85,34 @@ def measure(
     start = time.perf_counter()
     score_samples(scorer, samples[:1])
     first = time.perf_counter() - start
+    rate_before = matmul_gflops()
     start, cpu_start = time.perf_counter(), time.process_time()
     for s in samples[1:]:
         score_samples(scorer, [s])
     seconds = (time.perf_counter() - start) / repeats
     cpu_seconds = (time.process_time() - cpu_start) / repeats
+    rate_after = matmul_gflops()
+    attention_flops = attention_flops_per_sample(model.config, prompt_tokens)
     return {
         **planned,
+        "block_q": model.config.block_q,
+        "block_k": model.config.block_k,
         "seconds": seconds,
+        "matmul_gflops": [rate_before, rate_after],
+        "attention_of_matmul": attention_flops / seconds / 1e9 / ((rate_before + rate_after) / 2),
         "cpu_seconds": cpu_seconds,
         "load_average": os.getloadavg()[0],
         "first_call_seconds": first,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "params": int(sum(np.prod(x.shape) for x in _leaves(model))),
     }
+
+
+def attention_flops_per_sample(config, tokens: int) -> float:
+    """Causal attention FLOPs of one prompt: q.k and p.v, 2 x head dim each per visible
+    logit, over every layer and query head."""
+    visible_logits = tokens * (tokens + 1) / 2
+    return 4.0 * config.head_dim * visible_logits * config.n_heads * config.n_layers
 
 
 def _leaves(model):
@@ -110,7 +133,8 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,l6,anchor")
     parser.add_argument("--lengths", default=None, help="default: per model, see DEFAULT_LENGTHS")
     parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--block-k", type=int, default=512)
+    parser.add_argument("--block-q", type=int, default=None, help="default: the evaluation's")
+    parser.add_argument("--block-k", type=int, default=None, help="default: the evaluation's")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -119,17 +143,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         model_name, length = args.child.split(":")
-        row = measure(
-            model_name, int(length), args.chunk, args.block_k, args.repeats, args.compile_only
-        )
+        blocks = (args.block_q, args.block_k)
+        row = measure(model_name, int(length), args.chunk, blocks, args.repeats, args.compile_only)
         print("RESULT " + json.dumps(row))
         return
 
     rows = []
     print(
-        f"{'model':>7} {'length':>7} {'tokens':>7} {'s/sample':>9} {'cpu s':>7} "
-        f"{'1st call':>8} {'peak RSS':>9} {'KV cache':>9} {'scratch':>9} {'load':>5}  "
-        "reference s (speed-up)"
+        f"{'model':>7} {'length':>7} {'tokens':>7} {'blocks':>9} {'s/sample':>9} {'cpu s':>7} "
+        f"{'1st call':>8} {'peak RSS':>9} {'KV cache':>9} {'scratch':>9} {'load':>5} "
+        f"{'matmul GFLOP/s':>14} {'attn/matmul':>11}  reference s (speed-up)"
     )
     for model_name in args.models.split(","):
         previous = None
@@ -139,7 +162,7 @@ def main() -> None:
                 row = _run_child(model_name, length, args, compile_only=True)
                 guess = f"~{estimate:.0f}"
                 print(
-                    f"{model_name:>7} {length:>7} {row['tokens']:>7} {guess:>9} "
+                    f"{model_name:>7} {length:>7} {row['tokens']:>7} {'-':>9} {guess:>9} "
                     f"{'-':>7} {'-':>8} {'-':>9} {_mib(row['cache_bytes']):>9} "
                     f"{_mib(row['scratch_bytes']):>9}  not run: quadratic extrapolation "
                     f"over --max-seconds {args.max_seconds:.0f}",
@@ -150,11 +173,14 @@ def main() -> None:
             rows.append(row)
             previous = row
             ref = REFERENCE_SECONDS.get(length) if model_name == "anchor" else None
+            blocks = f"{row['block_q']}x{row['block_k']}"
+            rates = "/".join(f"{r:.0f}" for r in row["matmul_gflops"])
             print(
-                f"{model_name:>7} {length:>7} {row['tokens']:>7} {row['seconds']:>9.2f} "
-                f"{row['cpu_seconds']:>7.2f} {row['first_call_seconds']:>8.1f} "
-                f"{_mib(row['peak_rss_bytes']):>9} {_mib(row['cache_bytes']):>9} "
-                f"{_mib(row['scratch_bytes']):>9} {row['load_average']:>5.1f}  "
+                f"{model_name:>7} {length:>7} {row['tokens']:>7} {blocks:>9} "
+                f"{row['seconds']:>9.2f} {row['cpu_seconds']:>7.2f} "
+                f"{row['first_call_seconds']:>8.1f} {_mib(row['peak_rss_bytes']):>9} "
+                f"{_mib(row['cache_bytes']):>9} {_mib(row['scratch_bytes']):>9} "
+                f"{row['load_average']:>5.1f} {rates:>14} {row['attention_of_matmul']:>11.0%}  "
                 + (f"{ref} ({ref / row['seconds']:.1f}x)" if ref else ""),
                 flush=True,
             )
@@ -173,11 +199,12 @@ def _run_child(
         f"{model_name}:{length}",
         "--chunk",
         str(args.chunk),
-        "--block-k",
-        str(args.block_k),
         "--repeats",
         str(args.repeats),
     ]
+    for flag, value in (("--block-q", args.block_q), ("--block-k", args.block_k)):
+        if value is not None:
+            command += [flag, str(value)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from bam_jax.blockwise import DEFAULT_BLOCK
 from bam_jax.config import ModelConfig
 
 
@@ -48,6 +49,6 @@ def activation_bytes(config: ModelConfig, chunk_size: int, capacity: int) -> int
         16 * config.dim
         + 4 * config.ffn_hidden_dim
         + config.vocab_size
-        + 2 * config.n_heads * min(config.block_k, capacity)
+        + 2 * config.n_heads * min(config.block_k or DEFAULT_BLOCK, capacity)
     )
     return 4 * (chunk_size * per_token + config.n_heads * capacity)

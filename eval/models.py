@@ -27,8 +27,10 @@ from bam_jax.reference_checkpoint import load_reference_checkpoint
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
 
 REFERENCE_WEIGHTS = ("model.pt", "model.npz")
-# Attention blocks of inference when none are given: ModelConfig's default.
-INFERENCE_BLOCK = ModelConfig.block_q
+# Blockwise attention's tiles for inference when none are given: a query block spanning a
+# whole default chunk and 1024-key blocks, 1.4x faster than 256 x 256 tiles over a long cache
+# on 2 CPU cores (docs/benchmarks.md). Pallas keeps its backend's own tiles.
+BLOCKWISE_INFERENCE_BLOCKS = (512, 1024)
 
 
 @dataclasses.dataclass
@@ -219,14 +221,19 @@ def for_inference(
     """The same weights under an inference configuration: the platform's attention (the
     fused Pallas kernel on GPU/TPU, blockwise elsewhere) unless given, unrolled layers (the
     cache is then updated in place), no remat, optional dtype, and attention blocks
-    `block_q` x `block_k`, by default ModelConfig's (not the blocks the model was trained
-    with, which may be sized for short training rows)."""
+    `block_q` x `block_k`, by default BLOCKWISE_INFERENCE_BLOCKS for blockwise attention
+    and the kernel's own for Pallas (never the blocks the model was trained with, which may
+    be sized for short training rows)."""
+    implementation = attention_impl or default_implementation()
+    default_q, default_k = (
+        BLOCKWISE_INFERENCE_BLOCKS if implementation == "blockwise" else (None, None)
+    )
     changes: dict[str, Any] = {
-        "attention_impl": attention_impl or default_implementation(),
+        "attention_impl": implementation,
         "remat": False,
         "scan_layers": False,
-        "block_q": block_q or INFERENCE_BLOCK,
-        "block_k": block_k or INFERENCE_BLOCK,
+        "block_q": block_q or default_q,
+        "block_k": block_k or default_k,
     }
     if dtype is not None:
         changes["dtype"] = dtype

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from bam_eval.memory import cache_bytes_per_slot
-from bam_eval.models import for_inference, random_model
+from bam_eval.models import BLOCKWISE_INFERENCE_BLOCKS, for_inference, random_model
 from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward
 
@@ -52,6 +52,18 @@ def test_chunked_loss_matches_full_forward() -> None:
     expected = -np.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
     scorer = ChunkedForward(for_inference(model), chunk_size=16)
     np.testing.assert_allclose(scorer.next_token_loss(tokens)[0], expected, atol=2e-4)
+
+
+def test_inference_tiles_are_the_implementation_s_not_the_training_ones() -> None:
+    config = ModelConfig.of_size("toy", encoding="bam_ssmax", block_q=64, block_k=64)
+    model = random_model(config)
+    blockwise = for_inference(model, attention_impl="blockwise").config
+    assert (blockwise.block_q, blockwise.block_k) == BLOCKWISE_INFERENCE_BLOCKS
+    # Pallas keeps its backend's tiles: blockwise's 1024-key blocks exceed Triton's limit.
+    pallas = for_inference(model, attention_impl="pallas").config
+    assert (pallas.block_q, pallas.block_k) == (None, None)
+    chosen = for_inference(model, attention_impl="pallas", block_q=32, block_k=16).config
+    assert (chosen.block_q, chosen.block_k) == (32, 16)
 
 
 def test_memory_at_16k_is_linear_not_quadratic() -> None:
