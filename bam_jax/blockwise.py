@@ -87,8 +87,8 @@ def blockwise_attention(
     query_offset: int | jax.Array,
     causal: bool,
     window: int | None,
-    block_q: int,
-    block_k: int,
+    block_q: int | None,
+    block_k: int | None,
     ssmax_max_count: int | jax.Array | None = None,
 ) -> jax.Array:
     """Same function as `reference_attention`, in memory linear in T and S.

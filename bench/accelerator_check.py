@@ -88,7 +88,6 @@ ALL_VARIANTS = (
     "pallas+ggd-exact",
     "pallas+ggd-noreuse",
 )
-MODEL_BLOCK = 256  # ModelConfig's default block_q and block_k
 SECTIONS = ("gate", "throughput", "training", "autotune")
 DEFAULT_SECTIONS = ("gate", "throughput", "training")
 AUTOTUNE_GRID = {
@@ -555,8 +554,8 @@ def attention_variant(variant: str, settings: Settings) -> Callable:
             query_offset=0,
             causal=True,
             window=None,
-            block_q=settings.block_q or MODEL_BLOCK,
-            block_k=settings.block_k or MODEL_BLOCK,
+            block_q=settings.block_q,
+            block_k=settings.block_k,
         )
     ssmax = jnp.ones((settings.heads,), jnp.float32) if "ssmax" in variant else None
     options = dict(
