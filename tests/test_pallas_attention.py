@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 
 import jax
@@ -18,6 +19,7 @@ import pytest
 
 from bam_jax import attention
 from bam_jax.attention import default_implementation, dot_product_attention, reference_attention
+from bam_jax.config import ModelConfig
 from bam_jax.kernels.lowering import kernel_modules, lower_for, tile_op_counts
 from bam_jax.masking import AttentionMask, visibility_mask
 from bam_jax.pallas_attention import pallas_attention
@@ -379,6 +381,17 @@ def test_dispatch_and_default_implementation(monkeypatch: pytest.MonkeyPatch) ->
                 prior=inputs["prior"],
                 implementation="pallas",
             )
+
+
+def test_default_tiles_are_each_kernel_backend_s_own() -> None:
+    # A model or a call that names no tiles gets the kernel's: blockwise's 256-key blocks
+    # would exceed Triton's 128 on GPU.
+    config = ModelConfig(attention_impl="pallas")
+    defaults = inspect.signature(dot_product_attention).parameters
+    assert (defaults["block_q"].default, defaults["block_k"].default) == (None, None)
+    case = Case(q_len=40, ssmax=True, block_q=config.block_q, block_k=config.block_k)
+    for backend in ("gpu", "tpu"):
+        check_values(case, backend)
 
 
 LOWERING_CASES = {
