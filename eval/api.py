@@ -216,14 +216,19 @@ def accuracy_spread(
     curves: dict[str, list[dict[str, Any]]], groups: dict[str, list[str]]
 ) -> dict[str, dict[int, tuple[float, float, float]]]:
     """Per group and target length: (mean, min, max) accuracy in % over the group's runs
-    that reached that length."""
+    that reached that length. A run whose sweep stopped at 0% (`--patience`) counts as 0%
+    at the longer lengths that other runs of its group reached."""
     spread = {}
     for group, names in groups.items():
+        lengths = sorted({entry["target_length"] for name in names for entry in curves[name]})
         by_length: dict[int, list[float]] = {}
         for name in names:
-            for entry in curves[name]:
-                by_length.setdefault(entry["target_length"], []).append(100 * entry["accuracy"])
-        spread[group] = {n: (sum(v) / len(v), min(v), max(v)) for n, v in sorted(by_length.items())}
+            accuracy = {entry["target_length"]: 100 * entry["accuracy"] for entry in curves[name]}
+            stopped_at_zero = bool(accuracy) and accuracy[max(accuracy)] == 0.0
+            for n in lengths:
+                if n in accuracy or (stopped_at_zero and n > max(accuracy)):
+                    by_length.setdefault(n, []).append(accuracy.get(n, 0.0))
+        spread[group] = {n: (sum(v) / len(v), min(v), max(v)) for n, v in by_length.items()}
     return spread
 
 

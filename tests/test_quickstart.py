@@ -49,6 +49,23 @@ def test_seed_summary_gives_mean_and_range_per_group():
     assert table[3].split() == ["b", "1", "20", "[20-20]", "-"]
 
 
+def test_seed_summary_counts_a_sweep_stopped_at_zero_as_zero_beyond() -> None:
+    def entries(*accuracies):
+        return [{"target_length": 128 * 2**i, "accuracy": a} for i, a in enumerate(accuracies)]
+
+    # Seed 1 stopped after two lengths at 0% (--patience 2); seed 2 was not run past 256.
+    curves = {
+        "a": entries(1.0, 0.8, 0.6, 0.4),
+        "a_seed1": entries(1.0, 0.0, 0.0),
+        "b": entries(1.0),
+    }
+    curves["a_seed2"] = entries(1.0, 0.5)
+    groups = {"a": ["a", "a_seed1", "a_seed2"], "b": ["b"]}
+    spread = api.accuracy_spread(curves, groups)["a"]
+    assert spread[512] == pytest.approx((30.0, 0.0, 60.0))
+    assert spread[1024] == pytest.approx((20.0, 0.0, 40.0))
+
+
 @pytest.mark.slow
 def test_seeds_train_their_own_runs_and_a_summary(tmp_path, capsys):
     argv = ("--seed", "0,3", "--steps", "1", "--multiples", "1,2", "--samples", "1")
