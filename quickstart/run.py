@@ -114,7 +114,13 @@ def train_and_evaluate(
             name = run_name(encoding, seed)
             workdir = os.path.join(out, "runs", name)
             start = time.perf_counter()
-            train(quickstart_config(encoding, steps, preset_name, seed), workdir)
+            result = train(quickstart_config(encoding, steps, preset_name, seed), workdir)
+            if result.preempted:
+                print(
+                    f"{name}: stopped by SIGTERM at step {result.step}, saved in {workdir}; "
+                    "nothing evaluated (the same command resumes)"
+                )
+                return 0
             print(f"{name}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
             runs.append(f"{name}={workdir}")
             groups.setdefault(encoding, []).append(name)

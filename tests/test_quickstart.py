@@ -6,7 +6,9 @@ import os
 import pytest
 
 from bam_eval import api
+from bam_quickstart import run
 from bam_quickstart.run import main, quickstart_config
+from bam_train.loop import TrainResult
 
 
 def _run(tmp_path, *extra: str) -> str:
@@ -34,6 +36,21 @@ def test_quickstart_config_is_the_headline_model():
     answer_only = quickstart_config("nope", preset_name="quickstart_answer_loss")
     assert answer_only.data.passkey_lm_positions == 0 and answer_only.model.encoding == "nope"
     assert cfg.seed == 0 and quickstart_config(seed=2).seed == 2
+
+
+def test_a_run_stopped_by_sigterm_is_not_evaluated(tmp_path, monkeypatch, capsys):
+    def preempted(cfg, workdir):
+        return TrainResult(step=7, state=None, last_loss=None, preempted=True)
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("a preempted run was evaluated")
+
+    monkeypatch.setattr(run, "train", preempted)
+    monkeypatch.setattr(api, "load_models", no_evaluation)
+    _run(tmp_path, "--seed", "0,1")
+    printed = capsys.readouterr().out
+    assert "bam_ssmax: stopped by SIGTERM at step 7" in printed
+    assert "bam_ssmax_seed1" not in printed and "trained in" not in printed
 
 
 def test_seed_summary_gives_mean_and_range_per_group():
