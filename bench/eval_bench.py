@@ -55,6 +55,7 @@ def measure(
     """Runs in the child process: compile once, then time `repeats` samples (or only report
     the planned memory with `compile_only`)."""
     import numpy as np
+    from accelerator_check import causal_forward_flops
     from matmul_rate import matmul_gflops
 
     from bam_eval.memory import cache_bytes_per_slot
@@ -92,7 +93,10 @@ def measure(
     seconds = (time.perf_counter() - start) / repeats
     cpu_seconds = (time.process_time() - cpu_start) / repeats
     rate_after = matmul_gflops()
-    attention_flops = attention_flops_per_sample(model.config, prompt_tokens)
+    cfg = model.config
+    attention_flops = cfg.n_layers * causal_forward_flops(
+        1, cfg.n_heads, prompt_tokens, cfg.head_dim
+    )
     return {
         **planned,
         "block_q": model.config.block_q,
@@ -106,13 +110,6 @@ def measure(
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "params": int(sum(np.prod(x.shape) for x in _leaves(model))),
     }
-
-
-def attention_flops_per_sample(config, tokens: int) -> float:
-    """Causal attention FLOPs of one prompt: q.k and p.v, 2 x head dim each per visible
-    logit, over every layer and query head."""
-    visible_logits = tokens * (tokens + 1) / 2
-    return 4.0 * config.head_dim * visible_logits * config.n_heads * config.n_layers
 
 
 def _leaves(model):

@@ -224,9 +224,10 @@ def accuracy_spread(
         by_length: dict[int, list[float]] = {}
         for name in names:
             accuracy = {entry["target_length"]: 100 * entry["accuracy"] for entry in curves[name]}
-            stopped_at_zero = bool(accuracy) and accuracy[max(accuracy)] == 0.0
+            last = max(accuracy, default=None)
+            stopped_at_zero = last is not None and accuracy[last] == 0.0
             for n in lengths:
-                if n in accuracy or (stopped_at_zero and n > max(accuracy)):
+                if n in accuracy or (stopped_at_zero and n > last):
                     by_length.setdefault(n, []).append(accuracy.get(n, 0.0))
         spread[group] = {n: (sum(v) / len(v), min(v), max(v)) for n, v in by_length.items()}
     return spread
