@@ -1,7 +1,7 @@
-"""Fused causal attention with the positional prior computed inside the kernel (Pallas).
+"""Fused causal attention with the positional prior computed inside the kernel.
 
-Two forward kernels share the tile math of bam_jax/kernels/tile_math.py and differ only
-in how tiles reach it:
+Two Pallas forward kernels share the tile math of bam_jax/kernels/tile_math.py and differ
+only in how tiles reach it:
 
 - "gpu" (Triton lowering, bam_jax/kernels/gpu.py): grid (query blocks, batch, heads);
   each program keeps its query tile and loops over key blocks up to the causal diagonal
@@ -12,6 +12,11 @@ in how tiles reach it:
   key blocks); the running max, sum and accumulator live in VMEM scratch across the
   key-block axis, and the key index map is clamped to the visible band so skipped blocks
   are never fetched.
+
+On CPU, where Pallas does not lower, the same function is a native kernel
+("cpu", bam_jax/kernels/cpu_attention.cc through XLA FFI, compiled on first use): the same
+log2 logits, table prior and online softmax, one task per (batch row, head, 64 queries)
+over 256-key tiles, with the blockwise backward.
 
 Logits are formed in log2 units (softmax via exp2) and in float32. The GGD prior
 -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta and ALiBi -slope * |d| are evaluated
@@ -43,6 +48,7 @@ from jax.experimental import pallas as pl
 
 from bam_jax.attention_inputs import checked_attention
 from bam_jax.blockwise import flash_backward
+from bam_jax.kernels.cpu import CPU_BLOCK_K, CPU_BLOCK_Q, cpu_forward
 from bam_jax.kernels.gpu import gpu_defaults, gpu_forward
 from bam_jax.kernels.gpu_backward import fused_gpu_backward
 from bam_jax.kernels.tile_math import (
@@ -99,10 +105,12 @@ def pallas_attention(
 ) -> jax.Array:
     """Attention output [B, T, H, D], the same function as `reference_attention`.
 
-    backend: "gpu" or "tpu"; None picks the running platform. An explicit backend is
-        trusted, so the kernel can be lowered for another platform (`jax.jit(f).trace(...)
-        .lower(lowering_platforms=("tpu",))`). On CPU pass a backend and `interpret=True`
-        (Pallas interpret mode; "tpu" then uses TPU interpret semantics).
+    backend: "gpu", "tpu" or "cpu"; None picks the running platform. An explicit backend
+        is trusted, so the kernel can be lowered for another platform (`jax.jit(f).trace(...)
+        .lower(lowering_platforms=("tpu",))`). "cpu" is the native kernel (a C++ compiler
+        is needed on first use; tiles fixed at CPU_BLOCK_Q x CPU_BLOCK_K, block_q and
+        block_k ignored, prior always read from its table). To run a Pallas kernel on CPU
+        pass backend "gpu" or "tpu" and `interpret=True` (Pallas interpret mode).
     block_q, block_k: tile sizes (None = the backend's default for the head dim,
         GPU_DEFAULTS / TPU_DEFAULT_BLOCK_*). On GPU powers of two with
         16 <= block_q <= 256 and 16 <= block_k <= 128 (anything else raises), lowered to
@@ -117,17 +125,19 @@ def pallas_attention(
     num_warps, num_stages: Triton launch parameters (None = GPU_DEFAULTS by head dim).
     debug: print the kernel's jaxpr and its Triton / Mosaic module when it is lowered.
     backward: "fused" (the Triton backward kernels, GPU only) or "blockwise"
-        (`bam_jax.blockwise.flash_backward`); None picks "fused" on GPU, "blockwise" on TPU
-        and for priors other than GGD and ALiBi (whose parameter gradients the fused
+        (`bam_jax.blockwise.flash_backward`); None picks "fused" on GPU, "blockwise" on TPU,
+        CPU and for priors other than GGD and ALiBi (whose parameter gradients the fused
         kernels compute in-kernel).
     """
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
-    backend = _resolve_backend(backend)
+    backend = _resolve_backend(backend, interpret)
     block_q, block_k = _choose_blocks(backend, interpret, head_dim, q_len, kv_len, block_q, block_k)
     prior_kind = _prior_kind(prior)
     backward = _resolve_backward(backend, backward, prior_kind)
-    prior_table = prior_kind == "other" or (prior_table and prior_kind != "none")
+    # The CPU kernel always reads the table: it has no per-element transcendental path.
+    table_needed = prior_kind == "other" or backend == "cpu"
+    prior_table = prior_kind != "none" and (prior_table or table_needed)
     config = KernelConfig(
         backend=backend,
         interpret=interpret,
@@ -168,19 +178,22 @@ def pallas_attention(
     )
 
 
-def _resolve_backend(backend: Backend | None) -> Backend:
-    platform = jax.default_backend()
+def _resolve_backend(backend: Backend | None, interpret: bool) -> Backend:
     if backend is None:
-        if platform not in ("gpu", "tpu"):
+        platform = jax.default_backend()
+        if platform not in ("gpu", "tpu", "cpu"):
             raise ValueError(
-                f"the pallas implementation needs a GPU or TPU (running on {platform!r}); "
-                "use implementation='blockwise' (the same function) here, or call "
-                "bam_jax.pallas_attention.pallas_attention(..., backend='gpu', interpret=True) "
-                "to run the kernel in interpret mode"
+                f"the fused attention kernel runs on GPU, TPU or CPU, not {platform!r}; "
+                "use implementation='blockwise' (the same function)"
             )
-        return platform
-    if backend not in ("gpu", "tpu"):
-        raise ValueError(f"backend must be 'gpu', 'tpu' or None, got {backend!r}")
+        backend = platform
+    if backend not in ("gpu", "tpu", "cpu"):
+        raise ValueError(f"backend must be 'gpu', 'tpu', 'cpu' or None, got {backend!r}")
+    if backend == "cpu" and interpret:
+        raise ValueError(
+            "interpret=True runs a Pallas kernel (backend 'gpu' or 'tpu'); the 'cpu' backend "
+            "is native code and has no interpret mode"
+        )
     return backend
 
 
@@ -189,10 +202,10 @@ def _resolve_backward(backend: Backend, backward: Backward | None, prior_kind: s
         return "fused" if backend == "gpu" and prior_kind != "other" else "blockwise"
     if backward not in ("fused", "blockwise"):
         raise ValueError(f"backward must be 'fused', 'blockwise' or None, got {backward!r}")
-    if backward == "fused" and backend == "tpu":
+    if backward == "fused" and backend != "gpu":
         raise NotImplementedError(
-            "backward='fused' exists for backend='gpu' only; the TPU kernel has no fused "
-            "backward yet: use backward='blockwise' (the default on TPU)"
+            f"backward='fused' exists for backend='gpu' only; the {backend.upper()} kernel has "
+            f"no fused backward yet: use backward='blockwise' (the default on {backend.upper()})"
         )
     if backward == "fused" and prior_kind == "other":
         raise NotImplementedError(
@@ -211,6 +224,8 @@ def _choose_blocks(
     block_q: int | None,
     block_k: int | None,
 ) -> tuple[int, int]:
+    if backend == "cpu":
+        return CPU_BLOCK_Q, CPU_BLOCK_K
     if backend == "gpu":
         defaults = gpu_defaults(head_dim)
         bq = _gpu_block("block_q", block_q or defaults.block_q, GPU_MAX_BLOCK_Q)
@@ -291,6 +306,21 @@ def _head_param_columns(
 def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs):
     """Output [B, T, H, D] and log-sum-exp [B, H, T] (natural log, +inf for empty rows)."""
     _, q_len, num_heads, head_dim = q.shape
+    head_params = _head_params(config, prior, ssmax_scale_H, num_heads)
+    if config.backend == "cpu":
+        out, lse = cpu_forward(
+            config,
+            q,
+            k,
+            v,
+            head_params,
+            aux.log_n_BxT,
+            aux.q_seg_BxT,
+            aux.k_seg_BxS,
+            aux.offset_1,
+            aux.prior_table_HxX,
+        )
+        return out.astype(q.dtype), lse
     q_pad, kv_pad = config.padded_q_len, config.padded_kv_len
     d_pad = pl.next_power_of_2(head_dim) if config.backend == "gpu" else head_dim
     q_p = pad_to(pad_to(q, 1, q_pad), 3, d_pad)
@@ -302,7 +332,6 @@ def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
     if config.segments:
         q_seg = pad_to(aux.q_seg_BxT.astype(jnp.int32), 1, q_pad, -1)[..., None]
         k_seg = pad_to(aux.k_seg_BxS.astype(jnp.int32), 1, kv_pad, -1)[:, None, :]
-    head_params = _head_params(config, prior, ssmax_scale_H, num_heads)
     run = gpu_forward if config.backend == "gpu" else tpu_forward
     out, lse = run(
         config, q_p, k_p, v_p, head_params, log_n, q_seg, k_seg, aux.offset_1, aux.prior_table_HxX

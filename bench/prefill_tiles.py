@@ -1,11 +1,13 @@
-"""Blockwise attention of one prefill chunk against a long KV cache, by tiling; prints a table.
+"""Attention of one prefill chunk against a long KV cache: blockwise by tiling, and the fused
+CPU kernel; prints a table.
 
     python bench/prefill_tiles.py                                   # anchor shape, 16k keys
     python bench/prefill_tiles.py --shape 20,4,16,8192 --tiles 256x256,512x1024 --rounds 5
 
 One 512-query chunk sits at the end of S cached keys (batch, heads, head dim and S from
 --shape), with the GGD prior and SSMax, as every chunk of a long passkey prompt does late in
-its prefill. Each tiling compiles once; then the tilings run in turn, --rounds times, so a
+its prefill. Each blockwise tiling and the fused CPU kernel (`implementation="pallas"` on
+CPU; --no-kernel leaves it out) compile once; then they run in turn, --rounds times, so a
 slow spell of a shared machine hits them alike. Reported: the median and fastest wall time
 per chunk, and the attention's FLOPs (4 x head dim per logit of the chunk's S keys) per
 second as a share of the float32 matmul rate, measured before and after the rounds.
@@ -23,14 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 from matmul_rate import matmul_gflops
 
-from bam_jax.blockwise import blockwise_attention
+from bam_jax.attention import dot_product_attention
 from bam_jax.priors import GGDPrior
 
 CHUNK = 512
 
 
-def chunk_attention(shape: tuple[int, int, int, int], tiles: tuple[int, int]) -> Callable:
-    """A compiled, ready-to-time call of one chunk's attention with the given tiles."""
+KERNEL = "fused CPU kernel"
+
+
+def chunk_attention(shape: tuple[int, int, int, int], tiles: tuple[int, int] | None) -> Callable:
+    """A compiled, ready-to-time call of one chunk's attention: blockwise with the given
+    tiles, or the fused kernel for None."""
     batch, heads, head_dim, keys = shape
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((batch, CHUNK, heads, head_dim)), jnp.float32)
@@ -40,20 +46,16 @@ def chunk_attention(shape: tuple[int, int, int, int], tiles: tuple[int, int]) ->
     )
     prior = GGDPrior(jnp.full((heads,), -2.0), jnp.linspace(-0.5, 1.0, heads), jnp.zeros(heads))
     attend = jax.jit(
-        lambda q, k, v, offset: blockwise_attention(
+        lambda q, k, v, offset: dot_product_attention(
             q,
             k,
             v,
             prior=prior,
             ssmax_scale_H=jnp.full((heads,), 0.3),
-            ssmax_prior_inside=True,
-            query_segment_ids_BxT=None,
-            key_segment_ids_BxS=None,
             query_offset=offset,
-            causal=True,
-            window=None,
-            block_q=tiles[0],
-            block_k=tiles[1],
+            implementation="blockwise" if tiles else "pallas",
+            block_q=tiles[0] if tiles else None,
+            block_k=tiles[1] if tiles else None,
         )
     )
     offset = jnp.int32(keys - CHUNK)
@@ -81,10 +83,12 @@ def main() -> None:
     parser.add_argument("--shape", type=_shape, default=(1, 8, 32, 16384))
     parser.add_argument("--tiles", type=_tiles, default=_tiles("256x256,512x256,512x1024"))
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--no-kernel", dest="kernel", action="store_false")
     args = parser.parse_args()
     batch, heads, head_dim, keys = args.shape
-    calls = {tiles: chunk_attention(args.shape, tiles) for tiles in args.tiles}
-    seconds: dict[tuple[int, int], list[float]] = {tiles: [] for tiles in args.tiles}
+    variants = [*args.tiles, *([None] if args.kernel else [])]
+    calls = {tiles: chunk_attention(args.shape, tiles) for tiles in variants}
+    seconds: dict[tuple[int, int] | None, list[float]] = {tiles: [] for tiles in variants}
     rate_before = matmul_gflops()
     for _ in range(args.rounds):
         for tiles, call in calls.items():
@@ -98,12 +102,13 @@ def main() -> None:
         f"batch {batch}, {heads} heads, head dim {head_dim}, a {CHUNK}-query chunk against "
         f"{keys} keys; matmul {rate_before:.0f} / {rate_after:.0f} GFLOP/s (before / after)\n"
     )
-    print("| tiles | median ms | fastest ms | attention / matmul |")
+    print("| attention | median ms | fastest ms | attention / matmul |")
     print("|---|---|---|---|")
-    for (block_q, block_k), times in seconds.items():
+    for tiles, times in seconds.items():
         median, fastest = statistics.median(times), min(times)
         share = flops / median / 1e9 / rate
-        print(f"| {block_q} x {block_k} | {median * 1e3:.1f} | {fastest * 1e3:.1f} | {share:.0%} |")
+        name = f"blockwise {tiles[0]} x {tiles[1]}" if tiles else KERNEL
+        print(f"| {name} | {median * 1e3:.1f} | {fastest * 1e3:.1f} | {share:.0%} |")
 
 
 if __name__ == "__main__":

@@ -450,12 +450,6 @@ def test_the_default_implementation_is_the_scalable_one_and_matches_the_referenc
     np.testing.assert_allclose(chosen, reference, atol=2e-5)
 
 
-def test_pallas_on_cpu_names_options_that_exist():
-    x = jnp.zeros((1, 8, 2, 8))
-    with pytest.raises(ValueError, match=r"implementation='blockwise'.*pallas_attention\(\.\.\., "):
-        dot_product_attention(x, x, x, implementation="pallas")
-
-
 def test_steep_prior_with_ssmax_far_behind_the_cache_stays_finite() -> None:
     # Priors a quick-start model learned: a steep head (beta 3.1) whose bias reaches -7e9 at
     # 8k tokens, scaled by SSMax, for a prefill chunk 7680 tokens into the cache.

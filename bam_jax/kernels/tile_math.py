@@ -20,7 +20,7 @@ from jax import lax
 from bam_jax.masking import AttentionMask
 from bam_jax.priors import GGD_EPS, GGD_MAX_LOG2_MAGNITUDE
 
-Backend = Literal["gpu", "tpu"]
+Backend = Literal["gpu", "tpu", "cpu"]
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 NUM_HEAD_PARAMS = 8  # coef, beta, mu, ssmax scale, GGD saturation limit, padding

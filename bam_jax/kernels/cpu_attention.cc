@@ -1,0 +1,539 @@
+// Fused causal attention forward for CPU, an XLA FFI custom call (bam_jax/kernels/cpu.py).
+//
+// One task is (batch row, query head, block of kBlockQ queries). A task keeps its query
+// block (transposed), its online-softmax state and its output accumulator in a few kilobytes
+// and walks the kBlockK-key tiles it can see: the tile's logits, keys-major so that each
+// vector holds 16 queries, come from a register-blocked product that broadcasts key elements
+// straight from the cache's layout; the prior (read from the per-head table over distances,
+// reversed so that a key's values for consecutive queries are contiguous) and the masks are
+// applied, and the probabilities are multiplied into the accumulator while the tile is still
+// in cache. Nothing of size T x S is written and keys and values are never repacked.
+//
+// Logits are in log2 units (softmax via exp2) and float32, as in the Pallas kernels:
+//   logit = (q . k) * content_i - table[h, s - i + table_q_len - 1] * prior_i
+// with content_i = log2(e) / sqrt(D) (times SSMax's s_h log n_i) and prior_i = log2(e)
+// (times the same SSMax factor when the prior is scaled with the content).
+//
+// Tasks are split over threads by an atomic counter; each task is computed by one thread
+// in a fixed order, so results do not depend on the thread count.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kBlockQ = 64;
+constexpr int kBlockK = 256;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+typedef float Vec __attribute__((vector_size(64)));
+typedef float VecU __attribute__((vector_size(64), aligned(4)));
+typedef int32_t IVec __attribute__((vector_size(64)));
+typedef int32_t IVecU __attribute__((vector_size(64), aligned(4)));
+
+inline Vec Load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
+inline void Store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
+inline IVec LoadInt(const int32_t* p) { return *reinterpret_cast<const IVecU*>(p); }
+// Element-wise initialisation, which compiles to one broadcast (`Vec{} + x` would add a zero).
+inline Vec Splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline IVec SplatInt(int32_t x) { return IVec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+inline IVec Iota() {
+  IVec lanes;
+  for (int i = 0; i < kLanes; ++i) lanes[i] = i;
+  return lanes;
+}
+
+inline float MaxLanes(Vec x) {
+  float m = x[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+inline float SumLanes(Vec x) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += x[i];
+  return s;
+}
+
+// 2 ** f for |f| <= 1/2: its degree-6 Taylor polynomial (remainder below 1.2e-7).
+inline Vec Exp2Fraction(Vec f) {
+  Vec p = Splat(1.5403530393381606e-4f);
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  return p * f + 1.0f;
+}
+
+// 2 ** x for x <= 0 (the softmax's x - max), about 1 ulp: x = n + f with n an integer,
+// 2 ** f by its polynomial, n added to the exponent. 0 below -126 (-inf included; the
+// denormals' share of a sum that holds a 1 is below float32 resolution); NaN stays NaN.
+#if defined(__AVX512F__)
+inline Vec Exp2(Vec x) {
+  // max(lowest, x) keeps a NaN x; vscalefps applies 2 ** n, underflowing to 0.
+  const __m512 clamped = _mm512_max_ps(Splat(-150.0f), x);
+  const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(Exp2Fraction(clamped - n), n);
+}
+#else
+inline Vec Exp2(Vec x) {
+  const Vec lowest = Splat(-126.0f);
+  Vec clamped = x < lowest ? lowest : x;
+  clamped = clamped > Splat(0.0f) ? Splat(0.0f) : clamped;
+  const Vec round_magic = Splat(12582912.0f);  // 1.5 * 2 ** 23: adding it rounds to an integer
+  const Vec n = (clamped + round_magic) - round_magic;
+  const Vec p = Exp2Fraction(clamped - n);
+  const IVec bits = (IVec)p + (__builtin_convertvector(n, IVec) << 23);
+  const Vec zeroed = x < lowest ? Splat(0.0f) : (Vec)bits;
+  return x != x ? x : zeroed;
+}
+#endif
+
+struct Problem {
+  const float* q;            // [B, T, H, D]
+  const float* k;            // [B, S, K, D]
+  const float* v;            // [B, S, K, D]
+  const float* table;        // [H, X]: the prior's magnitude over distances, reversed
+  const float* head_params;  // [H, kHeadParams]: column 3 is SSMax's scale
+  const float* log_n;        // [B, T]: SSMax's log n_i
+  const int32_t* q_seg;      // [B, T]
+  const int32_t* k_seg;      // [B, S]
+  float* out;                // [B, T, H, D]
+  float* lse;                // [B, H, T], natural log, +inf for rows that see no key
+  int64_t batch, q_len, heads, head_dim, kv_slots, kv_heads, table_len, table_q_len;
+  int64_t offset, kv_len, window;  // window < 0: none
+  bool causal, prior, ssmax, prior_inside, segments;
+  float content_scale;
+  int64_t padded_dim;  // head_dim rounded up to whole vectors
+};
+
+constexpr int kHeadParams = 8;
+constexpr int kSsmaxColumn = 3;
+constexpr int kRowVecs = kBlockQ / kLanes;
+constexpr int kBlocksPerTask = 8;  // query blocks sharing each key tile a task loads
+
+// A query block's rows as kRowVecs vectors.
+struct Rows {
+  Vec v[kRowVecs];
+};
+
+// One query block of one head: its queries (transposed, scaled by their content
+// coefficient), its row data and its online-softmax state.
+struct QueryBlock {
+  std::vector<float> q_t, acc;
+  Rows row_max, row_sum, prior_coef;
+  IVec query_pos[kRowVecs], query_seg[kRowVecs];
+  int64_t h, first_row, rows;
+  int64_t lo, hi;  // the key slots its queries may see
+
+  explicit QueryBlock(int64_t dim) : q_t(dim * kBlockQ), acc(kBlockQ * dim) {}
+};
+
+// Per-thread buffers, reused by every task the thread runs: the current key tile (keys
+// and values copied contiguous, values zero-padded to whole vectors), the logits of one
+// query block against it, keys-major (scores[j * kBlockQ + r]: every vector holds 16
+// queries, so the products broadcast key elements), and the task's query blocks.
+struct Scratch {
+  std::vector<float> keys, values, scores;
+  std::vector<int32_t> key_seg;
+  std::vector<QueryBlock> blocks;
+
+  Scratch(int64_t dim, int64_t groups)
+      : keys(kBlockK * dim), values(kBlockK * dim), scores(kBlockK * kBlockQ), key_seg(kBlockK) {
+    blocks.reserve(kBlocksPerTask * groups);
+    for (int64_t n = 0; n < kBlocksPerTask * groups; ++n) blocks.emplace_back(dim);
+  }
+};
+
+// Whether every query of the block sees every key of the tile (no mask needed).
+bool TileFullyVisible(const Problem& pr, const QueryBlock& qb, int64_t first) {
+  if (pr.segments || pr.window >= 0 || first + kBlockK > pr.kv_len) return false;
+  return !pr.causal || first + kBlockK - 1 <= pr.offset + qb.first_row;
+}
+
+// What turns a tile's scores into log2 logits: the prior's row of the (reversed) table and
+// whether masks apply.
+struct TileTerms {
+  const float* prior;  // entry of key j and row vector c: prior[c * kLanes - j]
+  int64_t first;
+  bool full;
+};
+
+TileTerms TileTermsOf(const Problem& pr, const QueryBlock& qb, int64_t first) {
+  // Key slot `first + j` and query row i meet at reversed-table entry
+  // table_len - (first + j) + i - table_q_len, ascending in i.
+  const float* prior = pr.prior ? pr.table + qb.h * pr.table_len +
+                                      (pr.table_len - first + qb.first_row - pr.table_q_len)
+                                : nullptr;
+  return {prior, first, TileFullyVisible(pr, qb, first)};
+}
+
+// Log2 logits of key j of the tile for the 16 queries of row vector c.
+inline Vec Logits(const Problem& pr, const TileTerms& tile, const QueryBlock& qb,
+                  const int32_t* key_seg, int64_t j, int c, Vec scores) {
+  if (tile.prior != nullptr) scores -= Load(tile.prior + c * kLanes - j) * qb.prior_coef.v[c];
+  if (tile.full) return scores;
+  const int32_t key_pos = static_cast<int32_t>(tile.first + j);
+  const IVec behind = qb.query_pos[c] - key_pos;
+  IVec visible = SplatInt(key_pos < pr.kv_len ? -1 : 0);
+  if (pr.causal) visible &= behind >= 0;
+  if (pr.window >= 0) {
+    const int32_t window = static_cast<int32_t>(pr.window);
+    visible &= behind <= window;
+    if (!pr.causal) visible &= behind >= -window;
+  }
+  if (pr.segments) {
+    visible &= qb.query_seg[c] == key_seg[j];
+    if (key_seg[j] < 0) visible = SplatInt(0);
+  }
+  return visible ? scores : Splat(kNegInf);
+}
+
+// The block's log2 logits against the tile's first `count` keys (prior and masks applied),
+// in register tiles of 4 keys x 64 queries; returns their row max.
+Rows TileLogits(const Problem& pr, const QueryBlock& qb, int64_t first, int64_t count,
+                Scratch& s) {
+  constexpr int kKeys = 4;
+  const TileTerms tile = TileTermsOf(pr, qb, first);
+  const int64_t dim = pr.head_dim;
+  Rows tile_max;
+  for (int c = 0; c < kRowVecs; ++c) tile_max.v[c] = Splat(kNegInf);
+  for (int64_t j0 = 0; j0 < count; j0 += kKeys) {
+    const float* keys = s.keys.data() + j0 * dim;  // zero rows past `count`
+    Vec acc[kKeys][kRowVecs] = {};
+    for (int64_t d = 0; d < dim; ++d) {
+      Vec query[kRowVecs];
+#pragma GCC unroll 4
+      for (int c = 0; c < kRowVecs; ++c) query[c] = Load(qb.q_t.data() + d * kBlockQ + c * kLanes);
+#pragma GCC unroll 4
+      for (int j = 0; j < kKeys; ++j) {
+        const Vec k = Splat(keys[j * dim + d]);
+#pragma GCC unroll 4
+        for (int c = 0; c < kRowVecs; ++c) acc[j][c] += k * query[c];
+      }
+    }
+    for (int j = 0; j < kKeys && j0 + j < count; ++j) {
+      for (int c = 0; c < kRowVecs; ++c) {
+        const Vec logits = Logits(pr, tile, qb, s.key_seg.data(), j0 + j, c, acc[j][c]);
+        Store(s.scores.data() + (j0 + j) * kBlockQ + c * kLanes, logits);
+        tile_max.v[c] = tile_max.v[c] > logits ? tile_max.v[c] : logits;
+      }
+    }
+  }
+  return tile_max;
+}
+
+// Rows per register tile of TileUpdate: at most 16 accumulators, and a divisor of kBlockQ.
+constexpr int UpdateRows(int vecs) { return vecs <= 1 ? 16 : vecs <= 2 ? 8 : vecs <= 4 ? 4 : 2; }
+
+// acc[64, kVecs * 16] += probs^T . values[count, kVecs * 16].
+template <int kVecs>
+void TileUpdate(const float* probs, const float* values, int64_t count, float* acc) {
+  constexpr int kRows = UpdateRows(kVecs);
+  constexpr int64_t dim = kVecs * kLanes;
+  for (int r0 = 0; r0 < kBlockQ; r0 += kRows) {
+    Vec sums[kRows][kVecs];
+    for (int r = 0; r < kRows; ++r) {
+      for (int c = 0; c < kVecs; ++c) sums[r][c] = Load(acc + (r0 + r) * dim + c * kLanes);
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      Vec value[kVecs];
+#pragma GCC unroll 8
+      for (int c = 0; c < kVecs; ++c) value[c] = Load(values + j * dim + c * kLanes);
+#pragma GCC unroll 16
+      for (int r = 0; r < kRows; ++r) {
+        const Vec p = Splat(probs[j * kBlockQ + r0 + r]);
+#pragma GCC unroll 8
+        for (int c = 0; c < kVecs; ++c) sums[r][c] += p * value[c];
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      for (int c = 0; c < kVecs; ++c) Store(acc + (r0 + r) * dim + c * kLanes, sums[r][c]);
+    }
+  }
+}
+
+// Heads wider than 8 vectors: a plain loop (the compiler vectorises the inner one).
+void TileUpdateWide(const float* probs, const float* values, int64_t count, float* acc,
+                    int64_t dim) {
+  for (int r = 0; r < kBlockQ; ++r) {
+    for (int64_t j = 0; j < count; ++j) {
+      const float p = probs[j * kBlockQ + r];
+      for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] += p * values[j * dim + d];
+    }
+  }
+}
+
+// Multiplies the tile's probabilities (in s.scores) into the block's accumulator.
+void TileValues(const Problem& pr, QueryBlock& qb, int64_t count, Scratch& s) {
+  const float* probs = s.scores.data();
+  const float* values = s.values.data();
+  float* acc = qb.acc.data();
+  switch (pr.padded_dim / kLanes) {
+    case 1: return TileUpdate<1>(probs, values, count, acc);
+    case 2: return TileUpdate<2>(probs, values, count, acc);
+    case 3: return TileUpdate<3>(probs, values, count, acc);
+    case 4: return TileUpdate<4>(probs, values, count, acc);
+    case 5: return TileUpdate<5>(probs, values, count, acc);
+    case 6: return TileUpdate<6>(probs, values, count, acc);
+    case 7: return TileUpdate<7>(probs, values, count, acc);
+    case 8: return TileUpdate<8>(probs, values, count, acc);
+    default: return TileUpdateWide(probs, values, count, acc, pr.padded_dim);
+  }
+}
+
+// First and one-past-last key slot the queries from first_row (rows of them) may see.
+void KeyRange(const Problem& pr, int64_t first_row, int64_t rows, int64_t* lo, int64_t* hi) {
+  const int64_t first_pos = pr.offset + first_row;
+  const int64_t last_pos = first_pos + rows - 1;
+  *lo = pr.window >= 0 ? std::max<int64_t>(0, first_pos - pr.window) : 0;
+  int64_t stop = pr.kv_len;
+  if (pr.causal) {
+    stop = std::min(stop, last_pos + 1);
+  } else if (pr.window >= 0) {
+    stop = std::min(stop, last_pos + pr.window + 1);
+  }
+  *hi = std::min(stop, pr.kv_slots);
+}
+
+// Loads a query block of head h from first_row and resets its softmax state.
+void StartBlock(const Problem& pr, int64_t b, int64_t h, int64_t first_row, QueryBlock& qb) {
+  qb.h = h;
+  qb.first_row = first_row;
+  qb.rows = std::min<int64_t>(kBlockQ, pr.q_len - first_row);
+  KeyRange(pr, first_row, qb.rows, &qb.lo, &qb.hi);
+  std::fill(qb.q_t.begin(), qb.q_t.end(), 0.0f);
+  std::fill(qb.acc.begin(), qb.acc.end(), 0.0f);
+  const float ssmax_scale = pr.ssmax ? pr.head_params[h * kHeadParams + kSsmaxColumn] : 1.0f;
+  float prior_coef[kBlockQ];
+  int32_t query_pos[kBlockQ], query_seg[kBlockQ];
+  for (int64_t r = 0; r < kBlockQ; ++r) {
+    const int64_t i = first_row + std::min(r, qb.rows - 1);  // padding rows repeat the last
+    const float factor = pr.ssmax ? ssmax_scale * pr.log_n[b * pr.q_len + i] : 1.0f;
+    prior_coef[r] = (pr.ssmax && pr.prior_inside ? factor : 1.0f) * 1.4426950408889634f;
+    query_pos[r] = static_cast<int32_t>(pr.offset + first_row + r);
+    query_seg[r] = pr.segments ? pr.q_seg[b * pr.q_len + i] : 0;
+    if (r >= qb.rows) continue;
+    const float content = pr.content_scale * factor;
+    const float* src = pr.q + ((b * pr.q_len + i) * pr.heads + h) * pr.head_dim;
+    for (int64_t d = 0; d < pr.head_dim; ++d) qb.q_t[d * kBlockQ + r] = src[d] * content;
+  }
+  for (int c = 0; c < kRowVecs; ++c) {
+    qb.row_max.v[c] = Splat(kNegInf);
+    qb.row_sum.v[c] = Splat(0.0f);
+    qb.prior_coef.v[c] = Load(prior_coef + c * kLanes);
+    qb.query_pos[c] = LoadInt(query_pos + c * kLanes);
+    qb.query_seg[c] = LoadInt(query_seg + c * kLanes);
+  }
+}
+
+// Online-softmax update of the block with its logits against the tile; leaves the
+// probabilities in s.scores.
+void TileSoftmax(const Problem& pr, QueryBlock& qb, int64_t first, int64_t count, Scratch& s) {
+  const Rows tile_max = TileLogits(pr, qb, first, count, s);
+  Rows shift, correction;
+  for (int c = 0; c < kRowVecs; ++c) {
+    const Vec new_max = qb.row_max.v[c] > tile_max.v[c] ? qb.row_max.v[c] : tile_max.v[c];
+    shift.v[c] = new_max == Splat(kNegInf) ? Splat(0.0f) : new_max;
+    correction.v[c] = Exp2(qb.row_max.v[c] - shift.v[c]);
+    qb.row_max.v[c] = new_max;
+  }
+  Rows sum;
+  for (int c = 0; c < kRowVecs; ++c) sum.v[c] = Splat(0.0f);
+  for (int64_t j = 0; j < count; ++j) {
+    float* column = s.scores.data() + j * kBlockQ;
+    for (int c = 0; c < kRowVecs; ++c) {
+      const Vec p = Exp2(Load(column + c * kLanes) - shift.v[c]);
+      Store(column + c * kLanes, p);
+      sum.v[c] += p;
+    }
+  }
+  const int64_t dim = pr.padded_dim;
+  for (int c = 0; c < kRowVecs; ++c) {
+    qb.row_sum.v[c] = qb.row_sum.v[c] * correction.v[c] + sum.v[c];
+    for (int l = 0; l < kLanes; ++l) {
+      const float factor = correction.v[c][l];
+      if (factor == 1.0f) continue;
+      float* row = qb.acc.data() + (c * kLanes + l) * dim;
+      for (int64_t d = 0; d < dim; ++d) row[d] *= factor;
+    }
+  }
+}
+
+// Copies the tile's keys, values (zero-padded to whole vectors) and key segment ids; zero
+// keys fill the tile up to a multiple of 4.
+void LoadTile(const Problem& pr, int64_t b, int64_t kv_head, int64_t first, int64_t count,
+              Scratch& s) {
+  const int64_t dim = pr.head_dim;
+  const int64_t padded = pr.padded_dim;
+  std::fill(s.values.begin(), s.values.end(), 0.0f);
+  std::fill(s.keys.begin() + count * dim, s.keys.begin() + std::min<int64_t>(count + 4, kBlockK) * dim, 0.0f);
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t at = ((b * pr.kv_slots + first + j) * pr.kv_heads + kv_head) * dim;
+    std::copy(pr.k + at, pr.k + at + dim, s.keys.data() + j * dim);
+    std::copy(pr.v + at, pr.v + at + dim, s.values.data() + j * padded);
+    s.key_seg[j] = pr.segments ? pr.k_seg[b * pr.kv_slots + first + j] : 0;
+  }
+}
+
+void WriteRows(const Problem& pr, int64_t b, const QueryBlock& qb) {
+  const int64_t dim = pr.padded_dim;
+  for (int64_t r = 0; r < qb.rows; ++r) {
+    const int64_t i = qb.first_row + r;
+    const float sum = qb.row_sum.v[r / kLanes][r % kLanes];
+    const float max = qb.row_max.v[r / kLanes][r % kLanes];
+    const bool seen = sum != 0.0f;  // a NaN sum (NaN inputs) is written out as NaN
+    const float inverse = seen ? 1.0f / sum : 0.0f;
+    float* dst = pr.out + ((b * pr.q_len + i) * pr.heads + qb.h) * pr.head_dim;
+    for (int64_t d = 0; d < pr.head_dim; ++d) dst[d] = seen ? qb.acc[r * dim + d] * inverse : 0.0f;
+    pr.lse[(b * pr.heads + qb.h) * pr.q_len + i] =
+        seen ? (max + std::log2(sum)) * kLn2 : std::numeric_limits<float>::infinity();
+  }
+}
+
+// A task: up to kBlocksPerTask query blocks from block `first_block`, for every query head
+// of one (batch row, kv head). Each key tile is loaded once and serves all of them.
+void RunTask(const Problem& pr, int64_t b, int64_t kv_head, int64_t first_block, Scratch& s) {
+  const int64_t groups = pr.heads / pr.kv_heads;
+  const int64_t q_blocks = (pr.q_len + kBlockQ - 1) / kBlockQ;
+  const int64_t num_blocks = std::min<int64_t>(kBlocksPerTask, q_blocks - first_block);
+  int64_t lo = pr.kv_slots, hi = 0;
+  std::vector<QueryBlock*> active;
+  for (int64_t n = 0; n < num_blocks; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      QueryBlock& qb = s.blocks[n * groups + g];
+      StartBlock(pr, b, kv_head * groups + g, (first_block + n) * kBlockQ, qb);
+      lo = std::min(lo, qb.lo);
+      hi = std::max(hi, qb.hi);
+      active.push_back(&qb);
+    }
+  }
+  for (int64_t first = lo / kBlockK * kBlockK; first < hi; first += kBlockK) {
+    LoadTile(pr, b, kv_head, first, std::min<int64_t>(kBlockK, hi - first), s);
+    for (QueryBlock* qb : active) {
+      if (first >= qb->hi || first + kBlockK <= qb->lo) continue;
+      const int64_t count = std::min<int64_t>(kBlockK, qb->hi - first);
+      TileSoftmax(pr, *qb, first, count, s);
+      TileValues(pr, *qb, count, s);
+    }
+  }
+  for (QueryBlock* qb : active) WriteRows(pr, b, *qb);
+}
+
+void RunAll(const Problem& pr, int64_t num_threads) {
+  const int64_t q_blocks = (pr.q_len + kBlockQ - 1) / kBlockQ;
+  const int64_t spans = (q_blocks + kBlocksPerTask - 1) / kBlocksPerTask;
+  const int64_t rows = pr.batch * pr.kv_heads;
+  const int64_t num_tasks = rows * spans;
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    Scratch scratch(pr.padded_dim, pr.heads / pr.kv_heads);
+    for (int64_t n = next++; n < num_tasks; n = next++) {
+      // Latest query blocks (the most keys) first, so the threads finish together.
+      const int64_t span = spans - 1 - n / rows;
+      RunTask(pr, (n % rows) / pr.kv_heads, n % pr.kv_heads, span * kBlocksPerTask, scratch);
+    }
+  };
+  const int64_t extra = std::max<int64_t>(0, std::min(num_threads, num_tasks) - 1);
+  std::vector<std::thread> threads;
+  threads.reserve(extra);
+  for (int64_t n = 0; n < extra; ++n) threads.emplace_back(worker);
+  worker();
+  for (auto& thread : threads) thread.join();
+}
+
+ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> head_params,
+                   ffi::Buffer<ffi::F32> log_n, ffi::Buffer<ffi::S32> q_seg,
+                   ffi::Buffer<ffi::S32> k_seg, ffi::Buffer<ffi::S32> offset,
+                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                   int64_t causal, int64_t window, int64_t kv_len, int64_t has_prior,
+                   int64_t ssmax, int64_t prior_inside, int64_t segments, int64_t table_q_len,
+                   int64_t num_threads, float content_scale) {
+  const auto q_dims = q.dimensions();
+  const auto k_dims = k.dimensions();
+  if (q_dims.size() != 4 || k_dims.size() != 4 || v.dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument("cpu attention: q, k and v must be rank 4");
+  }
+  Problem pr{};
+  pr.q = q.typed_data();
+  pr.k = k.typed_data();
+  pr.v = v.typed_data();
+  pr.table = table.typed_data();
+  pr.head_params = head_params.typed_data();
+  pr.log_n = log_n.typed_data();
+  pr.q_seg = q_seg.typed_data();
+  pr.k_seg = k_seg.typed_data();
+  pr.out = out->typed_data();
+  pr.lse = lse->typed_data();
+  pr.batch = q_dims[0];
+  pr.q_len = q_dims[1];
+  pr.heads = q_dims[2];
+  pr.head_dim = q_dims[3];
+  pr.kv_slots = k_dims[1];
+  pr.kv_heads = k_dims[2];
+  pr.table_len = table.dimensions()[1];
+  pr.table_q_len = table_q_len;
+  pr.offset = offset.typed_data()[0];
+  pr.kv_len = kv_len;
+  pr.window = window;
+  pr.causal = causal != 0;
+  pr.prior = has_prior != 0;
+  pr.ssmax = ssmax != 0;
+  pr.prior_inside = prior_inside != 0;
+  pr.segments = segments != 0;
+  pr.content_scale = content_scale;
+  pr.padded_dim = (pr.head_dim + kLanes - 1) / kLanes * kLanes;
+  if (pr.kv_heads <= 0 || pr.heads % pr.kv_heads != 0) {
+    return ffi::Error::InvalidArgument("cpu attention: query heads must be a multiple of kv heads");
+  }
+  if (pr.prior && pr.table_len < pr.kv_slots + table_q_len - 1) {
+    return ffi::Error::InvalidArgument("cpu attention: the prior table is too short");
+  }
+  RunAll(pr, std::max<int64_t>(1, num_threads));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BamCpuAttentionForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("kv_len")
+                                  .Attr<int64_t>("has_prior")
+                                  .Attr<int64_t>("ssmax")
+                                  .Attr<int64_t>("prior_inside")
+                                  .Attr<int64_t>("segments")
+                                  .Attr<int64_t>("table_q_len")
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<float>("content_scale"));

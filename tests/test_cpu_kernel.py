@@ -1,0 +1,176 @@
+"""The fused kernel's CPU backend (native code through XLA FFI) against the reference.
+
+Cases cover what the kernel's tiling can get wrong: lengths that are not multiples of its
+64-query and 256-key tiles, more than one task per (batch row, kv head) (over 512 queries),
+documents with padding, SSMax with the prior inside and outside, grouped-query heads,
+negative and saturated prior shapes, ALiBi, windows, bidirectional attention, decoding one
+query, and head dims that are not whole 16-float vectors. Gradients run the blockwise
+backward on the kernel's output and log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bam_jax.attention import dot_product_attention
+from bam_jax.kernels import cpu
+from bam_jax.pallas_attention import pallas_attention
+from tests.test_pallas_attention import (
+    Case,
+    check_gradients,
+    check_values,
+    make_inputs,
+    run_kernel,
+    run_reference,
+)
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(name) for name in cpu.COMPILERS),
+    reason="the CPU kernel is compiled on first use and this machine has no C++ compiler",
+)
+
+VALUE_CASES = {
+    "documents_ssmax_inside_gqa_hd48": Case(
+        q_len=129, documents=True, ssmax=True, theta_mu=0.4, ssmax_max_count=50
+    ),
+    "long_prefill_two_tasks_many_key_tiles": Case(
+        q_len=600, kv_len=900, offset=300, ssmax=True, heads=4, kv_heads=1, head_dim=32, batch=1
+    ),
+    "chunked_prefill_alibi_ssmax_outside": Case(
+        q_len=7, offset=57, prior="alibi", ssmax=True, prior_inside=False
+    ),
+    "decode_single_query_hd16": Case(
+        q_len=1, offset=300, kv_len=333, heads=5, kv_heads=1, head_dim=16
+    ),
+    "saturated_prior_documents_ssmax_outside": Case(
+        q_len=300, betas=(-8.0, -30.0), documents=True, ssmax=True, prior_inside=False
+    ),
+    "window_documents": Case(q_len=300, window=37, ssmax=True, documents=True, head_dim=24),
+    "bidirectional_window_alibi": Case(q_len=70, causal=False, window=9, prior="alibi"),
+    "bidirectional_no_prior_wide_head": Case(
+        q_len=90, kv_len=300, causal=False, prior=None, ssmax=True, head_dim=136, batch=1
+    ),
+    "no_prior_no_ssmax_hd8": Case(q_len=65, prior=None, head_dim=8, kv_heads=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_CASES))
+def test_values_match_reference(name: str) -> None:
+    inputs, out = check_values(VALUE_CASES[name], "cpu")
+    if inputs["q_seg"] is not None:
+        padding = np.asarray(inputs["q_seg"]) < 0
+        assert padding.any()
+        np.testing.assert_array_equal(np.asarray(out)[padding], 0.0)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(q_len=300, documents=True, ssmax=True, theta_mu=0.4, ssmax_max_count=120),
+        Case(q_len=40, offset=270, prior="alibi", ssmax=True, prior_inside=False, kv_heads=1),
+    ],
+    ids=str,
+)
+def test_gradients_match_reference(case: Case) -> None:
+    check_gradients(case, "cpu")
+
+
+def test_implementation_pallas_on_cpu_is_the_cpu_kernel() -> None:
+    case = VALUE_CASES["chunked_prefill_alibi_ssmax_outside"]
+    inputs = make_inputs(case)
+    kwargs = dict(prior=inputs["prior"], ssmax_scale_H=inputs["ssmax"], ssmax_prior_inside=False)
+    args = (inputs["q"], inputs["k"], inputs["v"])
+    chosen = dot_product_attention(
+        *args, **kwargs, query_offset=case.offset, implementation="pallas"
+    )
+    kernel = pallas_attention(*args, **kwargs, query_offset=case.offset, backend="cpu")
+    np.testing.assert_array_equal(chosen, kernel)
+    np.testing.assert_allclose(chosen, run_reference(case, inputs), atol=2e-5, rtol=2e-5)
+
+
+def test_traced_query_offset_under_jit_and_bfloat16() -> None:
+    case = Case(q_len=70, offset=200, ssmax=True)
+    inputs = make_inputs(case)
+    run = jax.jit(lambda offset, q: run_kernel(case, "cpu", dict(inputs, q=q), query_offset=offset))
+    np.testing.assert_allclose(
+        run(jnp.int32(case.offset), inputs["q"]), run_reference(case, inputs), atol=2e-5, rtol=2e-5
+    )
+    out = run(jnp.int32(case.offset), inputs["q"].astype(jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16
+    expected = run_reference(case, dict(inputs, q=inputs["q"].astype(jnp.bfloat16)))
+    np.testing.assert_allclose(
+        out.astype(jnp.float32), expected.astype(jnp.float32), atol=3e-2, rtol=3e-2
+    )
+
+
+def test_results_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = VALUE_CASES["long_prefill_two_tasks_many_key_tiles"]
+    inputs = make_inputs(case)
+    outs = []
+    for threads in (1, 3):
+        monkeypatch.setattr(cpu, "num_threads", lambda threads=threads: threads)
+        outs.append(np.asarray(run_kernel(case, "cpu", inputs)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_a_nan_query_gives_nan_output_in_its_row_only() -> None:
+    case = Case(q_len=70, prior=None)
+    inputs = make_inputs(case)
+    q = inputs["q"].at[0, 5, 1, 3].set(jnp.nan)
+    out = np.array(run_kernel(case, "cpu", dict(inputs, q=q)))
+    assert np.isnan(out[0, 5, 1]).all()
+    out[0, 5, 1] = 0.0
+    assert np.isfinite(out).all()
+
+
+def test_no_queries_or_no_keys_give_zeros() -> None:
+    q = jnp.ones((2, 8, 4, 16))
+    for q_len, kv_len in ((0, 8), (8, 0)):
+        k = v = jnp.ones((2, kv_len, 2, 16))
+        out = pallas_attention(q[:, :q_len], k, v, backend="cpu")
+        assert out.shape == (2, q_len, 4, 16)
+        np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_options_the_cpu_kernel_does_not_have_raise() -> None:
+    x = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="no interpret mode"):
+        pallas_attention(x, x, x, backend="cpu", interpret=True)
+    with pytest.raises(NotImplementedError, match="backward='blockwise'"):
+        pallas_attention(x, x, x, backend="cpu", backward="fused")
+
+
+def test_a_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    monkeypatch.setenv("BAM_JAX_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(
+        cpu.CpuKernelUnavailable, match=r"no-such-compiler.*implementation='blockwise'"
+    ):
+        cpu._build()
+
+
+def test_a_failed_compilation_shows_the_compiler_s_message_and_caches_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu, "SOURCE", broken)
+    monkeypatch.setenv("BAM_JAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(cpu.CpuKernelUnavailable, match=r"broken\.cc"):
+        cpu._build()
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_the_build_is_cached_by_source(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("BAM_JAX_KERNEL_CACHE", str(tmp_path))
+    first = cpu._build()
+    assert cpu._build() == first
+    changed = tmp_path / "cpu_attention.cc"
+    changed.write_text(cpu.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu, "SOURCE", changed)
+    assert cpu._build() != first
