@@ -13,8 +13,9 @@ Columns: wall seconds per sample, CPU seconds per sample (all threads), the firs
 (compile + one sample), peak RSS, the KV cache and the compiled scratch of one prefill
 step, the float32 matmul rate measured in the same child before and after the timed
 samples, and the attention's share of it: causal attention FLOPs (4 x head dim per visible
-logit, every layer and head) per second over the mean matmul rate. Attention blocks are
-the evaluation's defaults (bam_eval.models.for_inference) unless --block-q/--block-k.
+logit, every layer and head) per second over the mean matmul rate. The attention and its
+blocks are the evaluation's defaults (bam_eval.models.for_inference: the fused kernel on
+CPU) unless --attention/--block-q/--block-k.
 
 "anchor" is the long-context inference configuration of docs/benchmarks.md (bam_ssmax, dim 256,
 4 layers, 8 heads, vocabulary 32768, chunk 512), where the reference PyTorch code takes
@@ -48,6 +49,7 @@ def measure(
     model_name: str,
     length: int,
     chunk: int,
+    attention: str | None,
     blocks: tuple[int | None, int | None],
     repeats: int,
     compile_only: bool,
@@ -67,7 +69,9 @@ def measure(
 
     spec = dict(MODELS[model_name])
     config = ModelConfig.of_size(spec.pop("preset"), encoding="bam_ssmax", **spec)
-    model = for_inference(random_model(config), block_q=blocks[0], block_k=blocks[1])
+    model = for_inference(
+        random_model(config), attention_impl=attention, block_q=blocks[0], block_k=blocks[1]
+    )
     scorer = ChunkedForward(model, chunk_size=chunk)
     tokenizer = get_tokenizer("mistral")
     samples = samples_for_length(
@@ -99,6 +103,7 @@ def measure(
     )
     return {
         **planned,
+        "attention": model.config.attention_impl,
         "block_q": model.config.block_q,
         "block_k": model.config.block_k,
         "seconds": seconds,
@@ -130,6 +135,7 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,l6,anchor")
     parser.add_argument("--lengths", default=None, help="default: per model, see DEFAULT_LENGTHS")
     parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--attention", default=None, help="default: the evaluation's")
     parser.add_argument("--block-q", type=int, default=None, help="default: the evaluation's")
     parser.add_argument("--block-k", type=int, default=None, help="default: the evaluation's")
     parser.add_argument("--repeats", type=int, default=1)
@@ -141,13 +147,21 @@ def main() -> None:
     if args.child:
         model_name, length = args.child.split(":")
         blocks = (args.block_q, args.block_k)
-        row = measure(model_name, int(length), args.chunk, blocks, args.repeats, args.compile_only)
+        row = measure(
+            model_name,
+            int(length),
+            args.chunk,
+            args.attention,
+            blocks,
+            args.repeats,
+            args.compile_only,
+        )
         print("RESULT " + json.dumps(row))
         return
 
     rows = []
     print(
-        f"{'model':>7} {'length':>7} {'tokens':>7} {'blocks':>9} {'s/sample':>9} {'cpu s':>7} "
+        f"{'model':>7} {'length':>7} {'tokens':>7} {'tiles':>9} {'s/sample':>9} {'cpu s':>7} "
         f"{'1st call':>8} {'peak RSS':>9} {'KV cache':>9} {'scratch':>9} {'load':>5} "
         f"{'matmul GFLOP/s':>14} {'attn/matmul':>11}  reference s (speed-up)"
     )
@@ -170,7 +184,11 @@ def main() -> None:
             rows.append(row)
             previous = row
             ref = REFERENCE_SECONDS.get(length) if model_name == "anchor" else None
-            blocks = f"{row['block_q']}x{row['block_k']}"
+            blocks = (
+                f"{row['block_q']}x{row['block_k']}"
+                if row["attention"] == "blockwise"
+                else "kernel"
+            )
             rates = "/".join(f"{r:.0f}" for r in row["matmul_gflops"])
             print(
                 f"{model_name:>7} {length:>7} {row['tokens']:>7} {blocks:>9} "
@@ -199,7 +217,8 @@ def _run_child(
         "--repeats",
         str(args.repeats),
     ]
-    for flag, value in (("--block-q", args.block_q), ("--block-k", args.block_k)):
+    options = (("--attention", args.attention), ("--block-q", args.block_q))
+    for flag, value in (*options, ("--block-k", args.block_k)):
         if value is not None:
             command += [flag, str(value)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -30,10 +30,13 @@ PERPLEXITY_FIELDS = ("positions", "perplexity")
 
 @dataclasses.dataclass(frozen=True)
 class InferenceSettings:
-    """How the models run: prefill chunk, attention blocks, compute dtype (parameters stay
-    float32), batch size (None: the largest within the memory budget) and that budget."""
+    """How the models run: prefill chunk, attention implementation (None: the evaluation's
+    default, `bam_eval.models.inference_implementation`) and blocks, compute dtype
+    (parameters stay float32), batch size (None: the largest within the memory budget) and
+    that budget."""
 
     chunk_size: int = 512
+    attention: str | None = None
     block_q: int | None = None
     block_k: int | None = None
     dtype: str = "float32"
@@ -47,7 +50,11 @@ class InferenceSettings:
     def prepare(self, model: Transformer) -> tuple[ChunkedForward, ModelConfig]:
         """The chunked forward of `model` under these settings, and its config."""
         inference_model = for_inference(
-            model, block_q=self.block_q, block_k=self.block_k, dtype=self.dtype
+            model,
+            attention_impl=self.attention,
+            block_q=self.block_q,
+            block_k=self.block_k,
+            dtype=self.dtype,
         )
         forward = ChunkedForward(inference_model, chunk_size=self.chunk_size)
         return forward, inference_model.config

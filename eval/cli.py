@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from bam_eval import api, plots
 from bam_eval.models import EvalModel
 from bam_eval.perplexity import PACKINGS
+from bam_jax.attention import IMPLEMENTATION_CHOICES
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_jax.passkey import SAMPLINGS
@@ -114,6 +115,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _inference_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=positive, default=512, help="prefill chunk (tokens)")
+    parser.add_argument(
+        "--attention",
+        choices=IMPLEMENTATION_CHOICES,
+        default="auto",
+        help="attention implementation (default auto: the fused kernel on CPU where a C++ "
+        "compiler builds it, else blockwise; pallas on validated GPUs and TPUs)",
+    )
     parser.add_argument("--block-q", type=positive, default=None, help="attention query block")
     parser.add_argument("--block-k", type=positive, default=None, help="attention key block")
     parser.add_argument(
@@ -235,6 +243,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _inference(args: argparse.Namespace) -> api.InferenceSettings:
     return api.InferenceSettings(
         chunk_size=args.chunk_size,
+        attention=args.attention,
         block_q=args.block_q,
         block_k=args.block_k,
         dtype=args.dtype,

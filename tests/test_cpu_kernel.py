@@ -174,3 +174,13 @@ def test_the_build_is_cached_by_source(monkeypatch: pytest.MonkeyPatch, tmp_path
     changed.write_text(cpu.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(cpu, "SOURCE", changed)
     assert cpu._build() != first
+
+
+def test_evaluation_runs_the_cpu_kernel_unless_told_otherwise() -> None:
+    from bam_eval.models import inference_implementation
+
+    assert inference_implementation() == "pallas"
+    assert inference_implementation("auto") == "pallas"
+    assert inference_implementation("blockwise") == "blockwise"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        inference_implementation("flash")
