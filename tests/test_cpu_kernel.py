@@ -10,6 +10,8 @@ backward on the kernel's output and log-sum-exp.
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import shutil
 
 import jax
@@ -22,6 +24,7 @@ from bam_jax.kernels import cpu
 from bam_jax.pallas_attention import pallas_attention
 from tests.test_pallas_attention import (
     Case,
+    attention_kwargs,
     check_gradients,
     check_values,
     make_inputs,
@@ -184,3 +187,37 @@ def test_evaluation_runs_the_cpu_kernel_unless_told_otherwise() -> None:
     assert inference_implementation("blockwise") == "blockwise"
     with pytest.raises(ValueError, match="attention must be one of"):
         inference_implementation("flash")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="-mno-avx512f is an x86 flag")
+def test_the_portable_build_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What machines without AVX-512 run: the generic vector code instead of the intrinsics.
+    library = ctypes.cdll.LoadLibrary(str(cpu._build(extra_flags=("-mno-avx512f",))))
+    name = "bam_cpu_attention_forward_portable"
+    jax.ffi.register_ffi_target(
+        name, jax.ffi.pycapsule(library.BamCpuAttentionForward), platform="cpu"
+    )
+    monkeypatch.setattr(cpu, "TARGET_NAME", name)
+    check_values(VALUE_CASES["saturated_prior_documents_ssmax_outside"], "cpu")
+    check_values(VALUE_CASES["long_prefill_two_tasks_many_key_tiles"], "cpu")
+
+
+def test_sharp_logits_that_keep_raising_the_row_shift() -> None:
+    # Logits spread over hundreds of log2 units: within a tile, later (farther) keys beat the
+    # row's shift by more than the kernel's slack, so stored probabilities are rescaled. At
+    # this sharpness float32 rounding of the logits alone moves outputs by ~1e-4, for
+    # blockwise attention too: the kernel must be as close to the reference as it is.
+    case = Case(q_len=200, kv_len=700, offset=500, ssmax=True, betas=(-0.6, 0.0, 0.5))
+    inputs = make_inputs(case)
+    sharp = dict(inputs, q=inputs["q"] * 12.0)
+    expected = run_reference(case, sharp)
+    blockwise = dot_product_attention(
+        sharp["q"],
+        sharp["k"],
+        sharp["v"],
+        **attention_kwargs(case, sharp),
+        implementation="blockwise",
+    )
+    kernel_error = float(jnp.max(jnp.abs(run_kernel(case, "cpu", sharp) - expected)))
+    blockwise_error = float(jnp.max(jnp.abs(blockwise - expected)))
+    assert kernel_error <= max(1.5 * blockwise_error, 2e-5)

@@ -34,8 +34,7 @@ CPU_BLOCK_K = 256
 TARGET_NAME = "bam_cpu_attention_forward"
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 COMPILERS = ("c++", "g++", "clang++")
-_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
-_NATIVE = ("-march=native",)
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -118,19 +117,17 @@ def _register() -> None:
     )
 
 
-def _build() -> Path:
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     """The compiled library, from the cache or compiled now (atomically: a concurrent or
     interrupted build never leaves a partial file under the final name)."""
     compiler = _compiler()
-    for arch_flags in (_NATIVE, ()):
-        flags = (*_FLAGS, *arch_flags, "-isystem", jax.ffi.include_dir())
-        path = _cache_dir() / f"cpu_attention-{_build_key(compiler, flags)}.so"
-        if path.exists():
-            return path
+    flags = (*_FLAGS, *extra_flags, "-isystem", jax.ffi.include_dir())
+    path = _cache_dir() / f"cpu_attention-{_build_key(compiler, flags)}.so"
+    if not path.exists():
         error = _compile(compiler, flags, path)
-        if error is None:
-            return path
-    raise CpuKernelUnavailable(f"compiling {SOURCE.name} with {compiler} failed:\n{error}")
+        if error is not None:
+            raise CpuKernelUnavailable(f"compiling {SOURCE} with {compiler} failed:\n{error}")
+    return path
 
 
 def _compiler() -> str:

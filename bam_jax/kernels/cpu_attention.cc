@@ -1,18 +1,21 @@
 // Fused causal attention forward for CPU, an XLA FFI custom call (bam_jax/kernels/cpu.py).
 //
-// One task is (batch row, query head, block of kBlockQ queries). A task keeps its query
-// block (transposed), its online-softmax state and its output accumulator in a few kilobytes
-// and walks the kBlockK-key tiles it can see: the tile's logits, keys-major so that each
-// vector holds 16 queries, come from a register-blocked product that broadcasts key elements
-// straight from the cache's layout; the prior (read from the per-head table over distances,
-// reversed so that a key's values for consecutive queries are contiguous) and the masks are
-// applied, and the probabilities are multiplied into the accumulator while the tile is still
-// in cache. Nothing of size T x S is written and keys and values are never repacked.
+// A task is (batch row, kv head, up to kBlocksPerTask blocks of kBlockQ queries, for every
+// query head sharing that kv head). It walks the kBlockK-key tiles its queries can see,
+// nearest first; each tile's keys and values are copied once into contiguous buffers and
+// serve all of the task's query blocks. For one query block the tile's logits are keys-major
+// (each vector holds 16 queries), from a register-blocked product that broadcasts key
+// elements; the prior (read from the per-head table over distances, reversed so that a
+// key's values for consecutive queries are contiguous), the masks and the exponential are
+// applied while they are in registers, and the probabilities are multiplied into the
+// block's accumulator while the tile is still in cache. Nothing of size T x S is written.
 //
 // Logits are in log2 units (softmax via exp2) and float32, as in the Pallas kernels:
 //   logit = (q . k) * content_i - table[h, s - i + table_q_len - 1] * prior_i
 // with content_i = log2(e) / sqrt(D) (times SSMax's s_h log n_i) and prior_i = log2(e)
-// (times the same SSMax factor when the prior is scaled with the content).
+// (times the same SSMax factor when the prior is scaled with the content). The softmax's
+// shift per row is raised only when a logit exceeds it by kSlack (see TileProbabilities);
+// any shift gives the same softmax, and the log-sum-exp is shift + log2(sum).
 //
 // Tasks are split over threads by an atomic counter; each task is computed by one thread
 // in a fixed order, so results do not depend on the thread count.
@@ -83,9 +86,10 @@ inline Vec Exp2Fraction(Vec f) {
   return p * f + 1.0f;
 }
 
-// 2 ** x for x <= 0 (the softmax's x - max), about 1 ulp: x = n + f with n an integer,
-// 2 ** f by its polynomial, n added to the exponent. 0 below -126 (-inf included; the
-// denormals' share of a sum that holds a 1 is below float32 resolution); NaN stays NaN.
+// 2 ** x for x <= 127 (the softmax's x - shift is at most kSlack), about 1 ulp: x = n + f
+// with n an integer, 2 ** f by its polynomial, n added to the exponent. 0 below -126 (-inf
+// included; the denormals' share of a sum that holds a 1 is below float32 resolution);
+// NaN stays NaN.
 #if defined(__AVX512F__)
 inline Vec Exp2(Vec x) {
   // max(lowest, x) keeps a NaN x; vscalefps applies 2 ** n, underflowing to 0.
@@ -96,8 +100,7 @@ inline Vec Exp2(Vec x) {
 #else
 inline Vec Exp2(Vec x) {
   const Vec lowest = Splat(-126.0f);
-  Vec clamped = x < lowest ? lowest : x;
-  clamped = clamped > Splat(0.0f) ? Splat(0.0f) : clamped;
+  const Vec clamped = x < lowest ? lowest : x;
   const Vec round_magic = Splat(12582912.0f);  // 1.5 * 2 ** 23: adding it rounds to an integer
   const Vec n = (clamped + round_magic) - round_magic;
   const Vec p = Exp2Fraction(clamped - n);
@@ -135,11 +138,11 @@ struct Rows {
   Vec v[kRowVecs];
 };
 
-// One query block of one head: its queries (transposed, scaled by their content
-// coefficient), its row data and its online-softmax state.
+// One query block of one head: its queries (transposed), its row data and its
+// online-softmax state.
 struct QueryBlock {
   std::vector<float> q_t, acc;
-  Rows row_max, row_sum, prior_coef;
+  Rows row_max, row_sum, content_coef, prior_coef;
   IVec query_pos[kRowVecs], query_seg[kRowVecs];
   int64_t h, first_row, rows;
   int64_t lo, hi;  // the key slots its queries may see
@@ -189,6 +192,7 @@ TileTerms TileTermsOf(const Problem& pr, const QueryBlock& qb, int64_t first) {
 // Log2 logits of key j of the tile for the 16 queries of row vector c.
 inline Vec Logits(const Problem& pr, const TileTerms& tile, const QueryBlock& qb,
                   const int32_t* key_seg, int64_t j, int c, Vec scores) {
+  scores *= qb.content_coef.v[c];
   if (tile.prior != nullptr) scores -= Load(tile.prior + c * kLanes - j) * qb.prior_coef.v[c];
   if (tile.full) return scores;
   const int32_t key_pos = static_cast<int32_t>(tile.first + j);
@@ -207,17 +211,43 @@ inline Vec Logits(const Problem& pr, const TileTerms& tile, const QueryBlock& qb
   return visible ? scores : Splat(kNegInf);
 }
 
-// The block's log2 logits against the tile's first `count` keys (prior and masks applied),
-// in register tiles of 4 keys x 64 queries; returns their row max.
-Rows TileLogits(const Problem& pr, const QueryBlock& qb, int64_t first, int64_t count,
-                Scratch& s) {
+// Whether any lane of a comparison holds.
+inline bool AnyLane(IVec mask) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#else
+  int32_t any = 0;
+  for (int l = 0; l < kLanes; ++l) any |= mask[l];
+  return any != 0;
+#endif
+}
+
+// 2 ** (from - to) for shifts that may be -inf (no key seen yet): 1 when `to` is -inf.
+inline Vec ShiftRatio(Vec from, Vec to) {
+  return to == Splat(kNegInf) ? Splat(1.0f) : Exp2(from - to);
+}
+
+// How far (log2 units) a logit may exceed its row's shift before the shift is raised:
+// probabilities stay below 2 ** kSlack, so a row's sum cannot overflow.
+constexpr float kSlack = 8.0f;
+
+// The block's online-softmax step against the tile's first `count` keys: logits (prior and
+// masks applied) from register tiles of 4 keys x 64 queries, exponentiated against the
+// row's shift while still in registers and stored (s.scores) for TileValues; the row sums
+// grow by them. The shift (qb.row_max) is raised only when a logit exceeds it by kSlack, so
+// the tile is never read back for its max; keys run nearest first (the largest prior
+// first), which makes raises rare. Returns the factor the accumulator's rows must be
+// rescaled by.
+Rows TileProbabilities(const Problem& pr, QueryBlock& qb, int64_t first, int64_t count,
+                       Scratch& s) {
   constexpr int kKeys = 4;
   const TileTerms tile = TileTermsOf(pr, qb, first);
   const int64_t dim = pr.head_dim;
-  Rows tile_max;
-  for (int c = 0; c < kRowVecs; ++c) tile_max.v[c] = Splat(kNegInf);
-  for (int64_t j0 = 0; j0 < count; j0 += kKeys) {
-    const float* keys = s.keys.data() + j0 * dim;  // zero rows past `count`
+  const Rows start_shift = qb.row_max;
+  Rows sum;
+  for (int c = 0; c < kRowVecs; ++c) sum.v[c] = Splat(0.0f);
+  for (int64_t j0 = (count - 1) / kKeys * kKeys; j0 >= 0; j0 -= kKeys) {
+    const float* keys = s.keys.data() + j0 * dim;  // stale rows past `count` are not stored
     Vec acc[kKeys][kRowVecs] = {};
     for (int64_t d = 0; d < dim; ++d) {
       Vec query[kRowVecs];
@@ -230,30 +260,55 @@ Rows TileLogits(const Problem& pr, const QueryBlock& qb, int64_t first, int64_t 
         for (int c = 0; c < kRowVecs; ++c) acc[j][c] += k * query[c];
       }
     }
-    for (int j = 0; j < kKeys && j0 + j < count; ++j) {
-      for (int c = 0; c < kRowVecs; ++c) {
-        const Vec logits = Logits(pr, tile, qb, s.key_seg.data(), j0 + j, c, acc[j][c]);
-        Store(s.scores.data() + (j0 + j) * kBlockQ + c * kLanes, logits);
-        tile_max.v[c] = tile_max.v[c] > logits ? tile_max.v[c] : logits;
+    const int keys_here = static_cast<int>(std::min<int64_t>(kKeys, count - j0));
+    for (int c = 0; c < kRowVecs; ++c) {
+      Vec logits[kKeys];
+      Vec group_max = Splat(kNegInf);
+      for (int j = 0; j < keys_here; ++j) {
+        logits[j] = Logits(pr, tile, qb, s.key_seg.data(), j0 + j, c, acc[j][c]);
+        group_max = group_max > logits[j] ? group_max : logits[j];
+      }
+      Vec& shift = qb.row_max.v[c];
+      const IVec raise = group_max > shift + kSlack;
+      if (AnyLane(raise)) {
+        const Vec new_shift = raise ? group_max : shift;
+        const Vec factor = ShiftRatio(shift, new_shift);
+        for (int64_t j = j0 + kKeys; j < count; ++j) {
+          float* p = s.scores.data() + j * kBlockQ + c * kLanes;
+          Store(p, Load(p) * factor);
+        }
+        sum.v[c] *= factor;
+        shift = new_shift;
+      }
+      const Vec safe_shift = shift == Splat(kNegInf) ? Splat(0.0f) : shift;
+      for (int j = 0; j < keys_here; ++j) {
+        const Vec p = Exp2(logits[j] - safe_shift);
+        Store(s.scores.data() + (j0 + j) * kBlockQ + c * kLanes, p);
+        sum.v[c] += p;
       }
     }
   }
-  return tile_max;
+  Rows correction;
+  for (int c = 0; c < kRowVecs; ++c) {
+    correction.v[c] = ShiftRatio(start_shift.v[c], qb.row_max.v[c]);
+    qb.row_sum.v[c] = qb.row_sum.v[c] * correction.v[c] + sum.v[c];
+  }
+  return correction;
 }
 
 // Rows per register tile of TileUpdate: at most 16 accumulators, and a divisor of kBlockQ.
 constexpr int UpdateRows(int vecs) { return vecs <= 1 ? 16 : vecs <= 2 ? 8 : vecs <= 4 ? 4 : 2; }
 
-// acc[64, kVecs * 16] += probs^T . values[count, kVecs * 16].
+// acc[64, kVecs * 16] = acc * correction (per row) + probs^T . values[count, kVecs * 16].
+// The tile's products are summed on their own before joining acc, so rounding grows with
+// the tile and the number of tiles rather than with the whole key count.
 template <int kVecs>
-void TileUpdate(const float* probs, const float* values, int64_t count, float* acc) {
+void TileUpdate(const float* probs, const float* values, int64_t count, const float* correction,
+                float* acc) {
   constexpr int kRows = UpdateRows(kVecs);
   constexpr int64_t dim = kVecs * kLanes;
   for (int r0 = 0; r0 < kBlockQ; r0 += kRows) {
-    Vec sums[kRows][kVecs];
-    for (int r = 0; r < kRows; ++r) {
-      for (int c = 0; c < kVecs; ++c) sums[r][c] = Load(acc + (r0 + r) * dim + c * kLanes);
-    }
+    Vec sums[kRows][kVecs] = {};
     for (int64_t j = 0; j < count; ++j) {
       Vec value[kVecs];
 #pragma GCC unroll 8
@@ -266,15 +321,20 @@ void TileUpdate(const float* probs, const float* values, int64_t count, float* a
       }
     }
     for (int r = 0; r < kRows; ++r) {
-      for (int c = 0; c < kVecs; ++c) Store(acc + (r0 + r) * dim + c * kLanes, sums[r][c]);
+      const Vec factor = Splat(correction[r0 + r]);
+      for (int c = 0; c < kVecs; ++c) {
+        float* row = acc + (r0 + r) * dim + c * kLanes;
+        Store(row, Load(row) * factor + sums[r][c]);
+      }
     }
   }
 }
 
 // Heads wider than 8 vectors: a plain loop (the compiler vectorises the inner one).
-void TileUpdateWide(const float* probs, const float* values, int64_t count, float* acc,
-                    int64_t dim) {
+void TileUpdateWide(const float* probs, const float* values, int64_t count,
+                    const float* correction, float* acc, int64_t dim) {
   for (int r = 0; r < kBlockQ; ++r) {
+    for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] *= correction[r];
     for (int64_t j = 0; j < count; ++j) {
       const float p = probs[j * kBlockQ + r];
       for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] += p * values[j * dim + d];
@@ -282,21 +342,25 @@ void TileUpdateWide(const float* probs, const float* values, int64_t count, floa
   }
 }
 
-// Multiplies the tile's probabilities (in s.scores) into the block's accumulator.
-void TileValues(const Problem& pr, QueryBlock& qb, int64_t count, Scratch& s) {
+// Rescales the block's accumulator by the softmax's correction and adds the tile's
+// probabilities (in s.scores) times its values.
+void TileValues(const Problem& pr, QueryBlock& qb, int64_t count, const Rows& correction,
+                Scratch& s) {
   const float* probs = s.scores.data();
   const float* values = s.values.data();
+  float factor[kBlockQ];
+  for (int c = 0; c < kRowVecs; ++c) Store(factor + c * kLanes, correction.v[c]);
   float* acc = qb.acc.data();
   switch (pr.padded_dim / kLanes) {
-    case 1: return TileUpdate<1>(probs, values, count, acc);
-    case 2: return TileUpdate<2>(probs, values, count, acc);
-    case 3: return TileUpdate<3>(probs, values, count, acc);
-    case 4: return TileUpdate<4>(probs, values, count, acc);
-    case 5: return TileUpdate<5>(probs, values, count, acc);
-    case 6: return TileUpdate<6>(probs, values, count, acc);
-    case 7: return TileUpdate<7>(probs, values, count, acc);
-    case 8: return TileUpdate<8>(probs, values, count, acc);
-    default: return TileUpdateWide(probs, values, count, acc, pr.padded_dim);
+    case 1: return TileUpdate<1>(probs, values, count, factor, acc);
+    case 2: return TileUpdate<2>(probs, values, count, factor, acc);
+    case 3: return TileUpdate<3>(probs, values, count, factor, acc);
+    case 4: return TileUpdate<4>(probs, values, count, factor, acc);
+    case 5: return TileUpdate<5>(probs, values, count, factor, acc);
+    case 6: return TileUpdate<6>(probs, values, count, factor, acc);
+    case 7: return TileUpdate<7>(probs, values, count, factor, acc);
+    case 8: return TileUpdate<8>(probs, values, count, factor, acc);
+    default: return TileUpdateWide(probs, values, count, factor, acc, pr.padded_dim);
   }
 }
 
@@ -323,73 +387,52 @@ void StartBlock(const Problem& pr, int64_t b, int64_t h, int64_t first_row, Quer
   std::fill(qb.q_t.begin(), qb.q_t.end(), 0.0f);
   std::fill(qb.acc.begin(), qb.acc.end(), 0.0f);
   const float ssmax_scale = pr.ssmax ? pr.head_params[h * kHeadParams + kSsmaxColumn] : 1.0f;
-  float prior_coef[kBlockQ];
+  float content_coef[kBlockQ], prior_coef[kBlockQ];
   int32_t query_pos[kBlockQ], query_seg[kBlockQ];
   for (int64_t r = 0; r < kBlockQ; ++r) {
     const int64_t i = first_row + std::min(r, qb.rows - 1);  // padding rows repeat the last
     const float factor = pr.ssmax ? ssmax_scale * pr.log_n[b * pr.q_len + i] : 1.0f;
+    content_coef[r] = pr.content_scale * factor;
     prior_coef[r] = (pr.ssmax && pr.prior_inside ? factor : 1.0f) * 1.4426950408889634f;
     query_pos[r] = static_cast<int32_t>(pr.offset + first_row + r);
     query_seg[r] = pr.segments ? pr.q_seg[b * pr.q_len + i] : 0;
     if (r >= qb.rows) continue;
-    const float content = pr.content_scale * factor;
     const float* src = pr.q + ((b * pr.q_len + i) * pr.heads + h) * pr.head_dim;
-    for (int64_t d = 0; d < pr.head_dim; ++d) qb.q_t[d * kBlockQ + r] = src[d] * content;
+    for (int64_t d = 0; d < pr.head_dim; ++d) qb.q_t[d * kBlockQ + r] = src[d];
   }
   for (int c = 0; c < kRowVecs; ++c) {
     qb.row_max.v[c] = Splat(kNegInf);
     qb.row_sum.v[c] = Splat(0.0f);
+    qb.content_coef.v[c] = Load(content_coef + c * kLanes);
     qb.prior_coef.v[c] = Load(prior_coef + c * kLanes);
     qb.query_pos[c] = LoadInt(query_pos + c * kLanes);
     qb.query_seg[c] = LoadInt(query_seg + c * kLanes);
   }
 }
 
-// Online-softmax update of the block with its logits against the tile; leaves the
-// probabilities in s.scores.
-void TileSoftmax(const Problem& pr, QueryBlock& qb, int64_t first, int64_t count, Scratch& s) {
-  const Rows tile_max = TileLogits(pr, qb, first, count, s);
-  Rows shift, correction;
-  for (int c = 0; c < kRowVecs; ++c) {
-    const Vec new_max = qb.row_max.v[c] > tile_max.v[c] ? qb.row_max.v[c] : tile_max.v[c];
-    shift.v[c] = new_max == Splat(kNegInf) ? Splat(0.0f) : new_max;
-    correction.v[c] = Exp2(qb.row_max.v[c] - shift.v[c]);
-    qb.row_max.v[c] = new_max;
-  }
-  Rows sum;
-  for (int c = 0; c < kRowVecs; ++c) sum.v[c] = Splat(0.0f);
-  for (int64_t j = 0; j < count; ++j) {
-    float* column = s.scores.data() + j * kBlockQ;
-    for (int c = 0; c < kRowVecs; ++c) {
-      const Vec p = Exp2(Load(column + c * kLanes) - shift.v[c]);
-      Store(column + c * kLanes, p);
-      sum.v[c] += p;
-    }
-  }
-  const int64_t dim = pr.padded_dim;
-  for (int c = 0; c < kRowVecs; ++c) {
-    qb.row_sum.v[c] = qb.row_sum.v[c] * correction.v[c] + sum.v[c];
-    for (int l = 0; l < kLanes; ++l) {
-      const float factor = correction.v[c][l];
-      if (factor == 1.0f) continue;
-      float* row = qb.acc.data() + (c * kLanes + l) * dim;
-      for (int64_t d = 0; d < dim; ++d) row[d] *= factor;
-    }
-  }
-}
-
-// Copies the tile's keys, values (zero-padded to whole vectors) and key segment ids; zero
-// keys fill the tile up to a multiple of 4.
+// Copies the tile's keys, values and key segment ids. The values' padding columns stay
+// zero from the buffer's construction; key rows past `count` keep stale finite values, whose
+// scores TileLogits computes (in groups of 4) but never stores.
 void LoadTile(const Problem& pr, int64_t b, int64_t kv_head, int64_t first, int64_t count,
               Scratch& s) {
   const int64_t dim = pr.head_dim;
   const int64_t padded = pr.padded_dim;
-  std::fill(s.values.begin(), s.values.end(), 0.0f);
-  std::fill(s.keys.begin() + count * dim, s.keys.begin() + std::min<int64_t>(count + 4, kBlockK) * dim, 0.0f);
+  const int64_t stride = pr.kv_heads * dim;
+  const int64_t start = ((b * pr.kv_slots + first) * pr.kv_heads + kv_head) * dim;
+  const float* keys = pr.k + start;
+  const float* values = pr.v + start;
   for (int64_t j = 0; j < count; ++j) {
-    const int64_t at = ((b * pr.kv_slots + first + j) * pr.kv_heads + kv_head) * dim;
-    std::copy(pr.k + at, pr.k + at + dim, s.keys.data() + j * dim);
-    std::copy(pr.v + at, pr.v + at + dim, s.values.data() + j * padded);
+    if (dim == padded) {
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        Store(s.keys.data() + j * dim + d, Load(keys + j * stride + d));
+        Store(s.values.data() + j * dim + d, Load(values + j * stride + d));
+      }
+    } else {
+      for (int64_t d = 0; d < dim; ++d) {
+        s.keys[j * dim + d] = keys[j * stride + d];
+        s.values[j * padded + d] = values[j * stride + d];
+      }
+    }
     s.key_seg[j] = pr.segments ? pr.k_seg[b * pr.kv_slots + first + j] : 0;
   }
 }
@@ -426,13 +469,15 @@ void RunTask(const Problem& pr, int64_t b, int64_t kv_head, int64_t first_block,
       active.push_back(&qb);
     }
   }
-  for (int64_t first = lo / kBlockK * kBlockK; first < hi; first += kBlockK) {
+  // Nearest tiles first (see TileProbabilities).
+  for (int64_t first = (hi - 1) / kBlockK * kBlockK; hi > lo && first >= lo / kBlockK * kBlockK;
+       first -= kBlockK) {
     LoadTile(pr, b, kv_head, first, std::min<int64_t>(kBlockK, hi - first), s);
     for (QueryBlock* qb : active) {
       if (first >= qb->hi || first + kBlockK <= qb->lo) continue;
       const int64_t count = std::min<int64_t>(kBlockK, qb->hi - first);
-      TileSoftmax(pr, *qb, first, count, s);
-      TileValues(pr, *qb, count, s);
+      const Rows correction = TileProbabilities(pr, *qb, first, count, s);
+      TileValues(pr, *qb, count, correction, s);
     }
   }
   for (QueryBlock* qb : active) WriteRows(pr, b, *qb);
