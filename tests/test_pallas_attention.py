@@ -224,8 +224,10 @@ def test_gradients_match_reference() -> None:
         np.testing.assert_array_equal(np.asarray(grad)[k_padding], 0.0)
 
 
+@pytest.mark.slow
 def test_capped_ssmax_count_gradients_through_the_blockwise_backward() -> None:
     # The TPU kernel's backward is bam_jax.blockwise.flash_backward: the cap must reach it.
+    # (The default suite checks the same path with the CPU kernel, tests/test_cpu_kernel.py.)
     check_gradients(Case(q_len=24, ssmax=True, ssmax_max_count=10, batch=1), "tpu")
 
 
