@@ -57,24 +57,6 @@ inline IVec LoadInt(const int32_t* p) { return *reinterpret_cast<const IVecU*>(p
 inline Vec Splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline IVec SplatInt(int32_t x) { return IVec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-inline IVec Iota() {
-  IVec lanes;
-  for (int i = 0; i < kLanes; ++i) lanes[i] = i;
-  return lanes;
-}
-
-inline float MaxLanes(Vec x) {
-  float m = x[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, x[i]);
-  return m;
-}
-
-inline float SumLanes(Vec x) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += x[i];
-  return s;
-}
-
 // 2 ** f for |f| <= 1/2: its degree-6 Taylor polynomial (remainder below 1.2e-7).
 inline Vec Exp2Fraction(Vec f) {
   Vec p = Splat(1.5403530393381606e-4f);
