@@ -238,3 +238,11 @@ def test_sharp_logits_that_keep_raising_the_row_shift() -> None:
     kernel_error = float(jnp.max(jnp.abs(run_kernel(case, "cpu", sharp) - expected)))
     blockwise_error = float(jnp.max(jnp.abs(blockwise - expected)))
     assert kernel_error <= max(1.5 * blockwise_error, 2e-5)
+
+
+def test_a_library_that_does_not_load_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    damaged = tmp_path / "cpu_attention-damaged.so"
+    damaged.write_bytes(b"not a shared library")
+    monkeypatch.setattr(cpu, "_build", lambda: damaged)
+    with pytest.raises(cpu.CpuKernelUnavailable, match=r"cpu_attention-damaged\.so"):
+        cpu._register.__wrapped__()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import math
 import os
 import platform
@@ -35,6 +36,9 @@ TARGET_NAME = "bam_cpu_attention_forward"
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 COMPILERS = ("c++", "g++", "clang++")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+
+
+_LOG = logging.getLogger("bam.kernels")
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -111,7 +115,13 @@ def cpu_forward(
 
 @functools.cache
 def _register() -> None:
-    library = ctypes.cdll.LoadLibrary(str(_build()))
+    path = _build()
+    try:
+        library = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as error:
+        raise CpuKernelUnavailable(
+            f"loading the compiled CPU kernel {path} failed: {error}"
+        ) from None
     jax.ffi.register_ffi_target(
         TARGET_NAME, jax.ffi.pycapsule(library.BamCpuAttentionForward), platform="cpu"
     )
@@ -124,6 +134,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     flags = (*_FLAGS, *extra_flags, "-isystem", jax.ffi.include_dir())
     path = _cache_dir() / f"cpu_attention-{_build_key(compiler, flags)}.so"
     if not path.exists():
+        _LOG.info("compiling the CPU attention kernel into %s (once per machine)", path)
         error = _compile(compiler, flags, path)
         if error is not None:
             raise CpuKernelUnavailable(f"compiling {SOURCE} with {compiler} failed:\n{error}")
