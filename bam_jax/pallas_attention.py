@@ -15,8 +15,8 @@ only in how tiles reach it:
 
 On CPU, where Pallas does not lower, the same function is a native kernel
 ("cpu", bam_jax/kernels/cpu_attention.cc through XLA FFI, compiled on first use): the same
-log2 logits, table prior and online softmax, one task per (batch row, head, 64 queries)
-over 256-key tiles, with the blockwise backward.
+log2 logits, table prior and online softmax, one task per (batch row, kv head, up to 8
+blocks of 64 queries) sharing each 256-key tile, with the blockwise backward.
 
 Logits are formed in log2 units (softmax via exp2) and in float32. The GGD prior
 -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta and ALiBi -slope * |d| are evaluated

@@ -1,9 +1,10 @@
 """The CPU forward kernel: bam_jax/kernels/cpu_attention.cc as an XLA FFI custom call.
 
 Pallas has no CPU lowering, so the fused kernel's CPU backend is native code: one task per
-(batch row, query head, block of CPU_BLOCK_Q queries) walks its visible CPU_BLOCK_K-key
-tiles with the prior read from the per-head table, the masks and the online softmax applied
-to a tile while it is in cache (see the source's header). It is compiled on first use with
+(batch row, kv head, up to 8 blocks of CPU_BLOCK_Q queries of every head sharing it) walks
+its visible CPU_BLOCK_K-key tiles, each loaded once for all of its query blocks, with the
+prior read from the per-head table and the masks and online softmax applied while a tile
+is in cache (see the source's header). It is compiled on first use with
 the machine's C++ compiler (`$CXX`, else c++, g++ or clang++) for the running CPU
 (-march=native) and cached under `$BAM_JAX_KERNEL_CACHE` (default
 ~/.cache/bam_jax/kernels), keyed by the source, the flags, the compiler, the CPU and the
