@@ -180,10 +180,12 @@ class Attention(nnx.Module):
         kv: KV | None = None,
         cache_length: jax.Array | None = None,
         ssmax_max_count: int | jax.Array | None = None,
+        ssmax_scale_factor: float | jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KV]:
         """Output [B, T, E]; with `kv` (the layer's cache buffers) also the updated buffers.
 
-        `ssmax_max_count` caps SSMax's key count (`dot_product_attention`)."""
+        `ssmax_max_count` caps SSMax's key count (`dot_product_attention`);
+        `ssmax_scale_factor` multiplies the learned SSMax scale (training's SSMax jitter)."""
         cfg = self.config
         batch, length, _ = x_BxTxE.shape
         q_BxTxHxD = self.wq(x_BxTxE).reshape(batch, length, cfg.n_heads, cfg.head_dim)
@@ -205,7 +207,7 @@ class Attention(nnx.Module):
             keys.astype(q_BxTxHxD.dtype),
             values.astype(q_BxTxHxD.dtype),
             prior=self._prior(prior),
-            ssmax_scale_H=None if self.seq_scale is None else self.seq_scale[...],
+            ssmax_scale_H=self._ssmax_scale(ssmax_scale_factor),
             # The SSMax baselines scale only the content term; ALiBi's bias comes after.
             ssmax_prior_inside=cfg.ssmax_prior_inside and cfg.base_encoding == "bam",
             query_segment_ids_BxT=segment_ids_BxT,
@@ -220,6 +222,11 @@ class Attention(nnx.Module):
         )
         out_BxTxE = self.wo(out_BxTxHxD.reshape(batch, length, cfg.n_heads * cfg.head_dim))
         return out_BxTxE if kv is None else (out_BxTxE, (keys, values))
+
+    def _ssmax_scale(self, factor: float | jax.Array | None) -> jax.Array | None:
+        if self.seq_scale is None:
+            return None
+        return self.seq_scale[...] if factor is None else self.seq_scale[...] * factor
 
     def _prior(self, prior: Prior | None) -> Prior | None:
         base = self.config.base_encoding
@@ -265,6 +272,7 @@ class TransformerBlock(nnx.Module):
         kv: KV | None,
         cache_length: jax.Array | None,
         ssmax_max_count: int | jax.Array | None = None,
+        ssmax_scale_factor: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         attended = self.attention(
             self.attention_norm(x_BxTxE),
@@ -273,6 +281,7 @@ class TransformerBlock(nnx.Module):
             kv=kv,
             cache_length=cache_length,
             ssmax_max_count=ssmax_max_count,
+            ssmax_scale_factor=ssmax_scale_factor,
         )
         if kv is not None:
             attended, kv = attended
@@ -288,8 +297,11 @@ def _apply_block(
     kv: KV | None,
     cache_length: jax.Array | None,
     ssmax_max_count: int | jax.Array | None,
+    ssmax_scale_factor: jax.Array | None,
 ) -> tuple[jax.Array, KV | None]:
-    return block(x_BxTxE, segment_ids_BxT, prior, kv, cache_length, ssmax_max_count)
+    return block(
+        x_BxTxE, segment_ids_BxT, prior, kv, cache_length, ssmax_max_count, ssmax_scale_factor
+    )
 
 
 def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> TransformerBlock:
@@ -386,9 +398,13 @@ class Transformer(nnx.Module):
         *,
         cache: KVCache | None = None,
         num_valid: int | jax.Array | None = None,
+        ssmax_scale_factors_L: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """The final-normed hidden states [B, T, E] (and the new cache): the forward pass
-        without the output projection, for callers that need logits at a few positions."""
+        without the output projection, for callers that need logits at a few positions.
+
+        `ssmax_scale_factors_L` [n_layers] multiplies each layer's learned SSMax scale (the
+        trainer's SSMax jitter, `TrainConfig.ssmax_jitter`); None leaves the model as it is."""
         cfg = self.config
         if tokens_BxT.ndim != 2:
             raise ValueError(f"tokens_BxT must be [batch, length], got shape {tokens_BxT.shape}")
@@ -400,6 +416,8 @@ class Transformer(nnx.Module):
             raise ValueError("segment_ids_BxT is not supported together with a cache")
         if cache is None and num_valid is not None:
             raise ValueError("num_valid only applies to a forward with a cache")
+        if ssmax_scale_factors_L is not None:
+            self._check_ssmax_scale_factors(ssmax_scale_factors_L)
         length = tokens_BxT.shape[1]
         offset = None if cache is None else cache.length
 
@@ -414,9 +432,10 @@ class Transformer(nnx.Module):
         prior = None if self.prior is None else self.prior()
 
         if cfg.scan_layers:
-            h_BxTxE, kv = self._scan_layers(h_BxTxE, segment_ids_BxT, prior, cache)
+            layers = self._scan_layers
         else:
-            h_BxTxE, kv = self._unrolled_layers(h_BxTxE, segment_ids_BxT, prior, cache)
+            layers = self._unrolled_layers
+        h_BxTxE, kv = layers(h_BxTxE, segment_ids_BxT, prior, cache, ssmax_scale_factors_L)
         h_BxTxE = self.norm(h_BxTxE)
         if cache is None:
             return h_BxTxE
@@ -426,14 +445,28 @@ class Transformer(nnx.Module):
     def _block_fn(self) -> Callable:
         return nnx.remat(_apply_block) if self.config.remat else _apply_block
 
-    def _unrolled_layers(self, h_BxTxE, segment_ids_BxT, prior, cache):
+    def _check_ssmax_scale_factors(self, factors_L: jax.Array) -> None:
+        if not self.config.ssmax:
+            raise ValueError(
+                f"ssmax_scale_factors_L needs an SSMax encoding, got {self.config.encoding!r}"
+            )
+        if jnp.shape(factors_L) != (self.config.n_layers,):
+            raise ValueError(
+                f"ssmax_scale_factors_L must have shape [n_layers] = ({self.config.n_layers},), "
+                f"got {jnp.shape(factors_L)}"
+            )
+
+    def _unrolled_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, scale_factors_L):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         keys, values = [], []
         max_counts = self.config.ssmax_max_counts()
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
-            h_BxTxE, kv = apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts[i])
+            factor = None if scale_factors_L is None else scale_factors_L[i]
+            h_BxTxE, kv = apply(
+                block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts[i], factor
+            )
             if kv is not None:
                 keys.append(kv[0])
                 values.append(kv[1])
@@ -441,18 +474,20 @@ class Transformer(nnx.Module):
             return h_BxTxE, None
         return h_BxTxE, (tuple(keys), tuple(values))
 
-    def _scan_layers(self, h_BxTxE, segment_ids_BxT, prior, cache):
+    def _scan_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, scale_factors_L):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         # The scan reads and writes stacked [L, ...] buffers: a copy of the cache per call.
         kv = None if cache is None else (jnp.stack(cache.keys), jnp.stack(cache.values))
         max_counts_L = self._stacked_ssmax_max_counts()
 
-        @nnx.scan(in_axes=(0, nnx.Carry, None, None, 0, None, 0), out_axes=(nnx.Carry, 0))
-        def run(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count):
-            return apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count)
+        @nnx.scan(in_axes=(0, nnx.Carry, None, None, 0, None, 0, 0), out_axes=(nnx.Carry, 0))
+        def run(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count, factor):
+            return apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count, factor)
 
-        h_BxTxE, kv = run(self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts_L)
+        h_BxTxE, kv = run(
+            self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts_L, scale_factors_L
+        )
         if kv is None:
             return h_BxTxE, None
         return h_BxTxE, (tuple(kv[0]), tuple(kv[1]))

@@ -105,6 +105,12 @@ class TrainConfig:
     `tokens_per_step / (batch_size * seq_len)` such passes are summed per optimizer step
     (0 = one pass per step). Every `eval_every` steps (0 = never) the validation loss is
     taken over `eval_batches` micro-batches of `batch_size` rows.
+
+    `ssmax_jitter` (SSMax encodings) multiplies the learned SSMax scale of the layers past
+    `model.ssmax_capped_layers` by a factor drawn from U[1 - ssmax_jitter, 1] at each step
+    (evaluation uses 1): attention at the training length is then at times softer than the
+    model's own, so retrieval must win by margins that still hold when SSMax sharpens the
+    logits by log(n) at many times the training length.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.of_size("toy"))
@@ -125,6 +131,7 @@ class TrainConfig:
     profile_start: int = -1
     profile_steps: int = 5
     progress_bar: bool = True
+    ssmax_jitter: float = 0.0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every", "checkpoint_every", "keep_last"):
@@ -137,6 +144,17 @@ class TrainConfig:
         for name in ("async_checkpoint", "progress_bar"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check_float32("ssmax_jitter", self.ssmax_jitter, minimum=0.0, maximum=0.99)
+        if self.ssmax_jitter and not self.model.ssmax:
+            raise ValueError(
+                f"ssmax_jitter={self.ssmax_jitter} needs an SSMax encoding (*_ssmax), got "
+                f"model.encoding={self.model.encoding!r}; set ssmax_jitter=0"
+            )
+        if self.ssmax_jitter and self.model.ssmax_capped_layers == self.model.n_layers:
+            raise ValueError(
+                f"ssmax_jitter={self.ssmax_jitter} applies to the layers past "
+                f"model.ssmax_capped_layers, but all {self.model.n_layers} are capped"
+            )
         if self.eval_every and self.eval_batches < 1:
             raise ValueError(
                 f"eval_batches must be >= 1 when eval_every > 0, got {self.eval_batches}"

@@ -45,21 +45,28 @@ from bam_train.sharding import batch_sharding, local_rows, make_mesh, replicated
 from bam_train.state import ModelParts, TrainState, init_state, state_shardings
 
 Batch = dict[str, Any]
+# Folded into the seed's key for the SSMax jitter draws, apart from every other use of it.
+SSMAX_JITTER_STREAM = 0x55AA
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss, the gradient norm or the updated state became NaN or infinite."""
 
 
-def loss_sums(parts: ModelParts, params, consts, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def loss_sums(
+    parts: ModelParts, params, consts, batch: Batch, ssmax_factors_L: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy over trained targets of a [batch, seq_len] micro-batch, and the
     number of trained targets.
 
     With `loss_positions` [batch, P] in the batch (rows trained on P known positions, such as
     passkey answers) only those P positions go through the output projection.
+    `ssmax_factors_L` multiplies each layer's SSMax scale (`ssmax_jitter_factors`).
     """
     model = parts.merge(params, consts)
-    hidden_BxPxE = model.hidden_states(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    hidden_BxPxE = model.hidden_states(
+        batch["inputs"], segment_ids_BxT=batch["segment_ids"], ssmax_scale_factors_L=ssmax_factors_L
+    )
     targets_BxP, mask_BxP = batch["targets"], batch["loss_mask"]
     if "loss_positions" in batch:
         positions_BxP = batch["loss_positions"]
@@ -69,13 +76,32 @@ def loss_sums(parts: ModelParts, params, consts, batch: Batch) -> tuple[jax.Arra
     return model.cross_entropy_sum(hidden_BxPxE, targets_BxP, mask_BxP), jnp.sum(mask_BxP)
 
 
-def make_train_step(parts: ModelParts, tx: optax.GradientTransformation) -> Callable:
-    grad_fn = jax.value_and_grad(lambda p, c, b: loss_sums(parts, p, c, b), has_aux=True, argnums=0)
+def ssmax_jitter_factors(cfg: TrainConfig, step: jax.Array) -> jax.Array | None:
+    """The [n_layers] SSMax scale factors of optimizer step `step` (None without jitter):
+    one draw from U[1 - ssmax_jitter, 1], from the run's seed and the step, for every layer
+    past `model.ssmax_capped_layers`, and 1 for the capped ones, whose key count stays the
+    training one at any length."""
+    if not cfg.ssmax_jitter:
+        return None
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), SSMAX_JITTER_STREAM), step)
+    factor = 1.0 - cfg.ssmax_jitter * jax.random.uniform(key, dtype=jnp.float32)
+    capped_L = jnp.arange(cfg.model.n_layers) < cfg.model.ssmax_capped_layers
+    return jnp.where(capped_L, 1.0, factor)
+
+
+def make_train_step(
+    parts: ModelParts, tx: optax.GradientTransformation, cfg: TrainConfig
+) -> Callable:
+    grad_fn = jax.value_and_grad(
+        lambda p, c, b, f: loss_sums(parts, p, c, b, f), has_aux=True, argnums=0
+    )
 
     def step(state: TrainState, batch_AxBxT: Batch) -> tuple[TrainState, dict]:
+        factors_L = ssmax_jitter_factors(cfg, state.step)
+
         def micro(carry, batch_BxT):
             loss_sum, count, grads = carry
-            (loss, n), g = grad_fn(state.params, state.consts, batch_BxT)
+            (loss, n), g = grad_fn(state.params, state.consts, batch_BxT, factors_L)
             return (loss_sum + loss, count + n, jax.tree.map(jnp.add, grads, g)), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -183,7 +209,7 @@ def build(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> Setup:
     b_sharding = batch_sharding(mesh)
     rep = replicated(mesh)
     train_step = jax.jit(
-        make_train_step(parts, tx),
+        make_train_step(parts, tx, cfg),
         in_shardings=(shardings, b_sharding),
         out_shardings=(shardings, rep),
         donate_argnums=0,
