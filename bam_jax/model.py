@@ -431,10 +431,7 @@ class Transformer(nnx.Module):
             )
         prior = None if self.prior is None else self.prior()
 
-        if cfg.scan_layers:
-            layers = self._scan_layers
-        else:
-            layers = self._unrolled_layers
+        layers = self._scan_layers if cfg.scan_layers else self._unrolled_layers
         h_BxTxE, kv = layers(h_BxTxE, segment_ids_BxT, prior, cache, ssmax_scale_factors_L)
         h_BxTxE = self.norm(h_BxTxE)
         if cache is None:
