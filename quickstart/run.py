@@ -34,13 +34,14 @@ def quickstart_config(
 ) -> TrainConfig:
     """A preset (default `quickstart`) with another encoding, step count or seed (the seed
     draws the model's initialisation and the training data). Encodings without SSMax drop
-    the preset's SSMax cap (`ssmax_capped_layers`); the SSMax ones keep it."""
+    the preset's SSMax cap (`ssmax_capped_layers`) and jitter (`ssmax_jitter`); the SSMax
+    ones keep them."""
     cfg = preset(preset_name)
+    ssmax = encoding.endswith("_ssmax")
     model = cfg.model.replace(
-        encoding=encoding,
-        ssmax_capped_layers=cfg.model.ssmax_capped_layers if encoding.endswith("_ssmax") else 0,
+        encoding=encoding, ssmax_capped_layers=cfg.model.ssmax_capped_layers if ssmax else 0
     )
-    cfg = cfg.replace(model=model, seed=seed)
+    cfg = cfg.replace(model=model, seed=seed, ssmax_jitter=cfg.ssmax_jitter if ssmax else 0.0)
     return cfg if steps is None else cfg.replace(steps=steps)
 
 

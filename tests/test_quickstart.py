@@ -36,6 +36,9 @@ def test_quickstart_config_is_the_headline_model():
     answer_only = quickstart_config("nope", preset_name="quickstart_answer_loss")
     assert answer_only.data.passkey_lm_positions == 0 and answer_only.model.encoding == "nope"
     assert cfg.seed == 0 and quickstart_config(seed=2).seed == 2
+    assert cfg.ssmax_jitter > 0 and quickstart_config("rope_ssmax").ssmax_jitter == cfg.ssmax_jitter
+    no_ssmax = quickstart_config("bam")
+    assert no_ssmax.ssmax_jitter == 0 and no_ssmax.model.ssmax_capped_layers == 0
 
 
 def test_a_run_stopped_by_sigterm_is_not_evaluated(tmp_path, monkeypatch, capsys):
