@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop a model's sweep after N consecutive lengths at 0%%",
     )
     parser.add_argument("--multiples", default=DEFAULT_MULTIPLES, help="evaluation lengths")
-    parser.add_argument("--samples", type=int, default=10, help="passkey samples per length")
+    parser.add_argument("--samples", type=int, default=20, help="passkey samples per length")
     parser.add_argument("--no-plots", action="store_true")
     return parser
 
