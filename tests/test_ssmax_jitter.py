@@ -13,7 +13,8 @@ from bam_configs.presets import preset
 from bam_jax.config import ModelConfig
 from bam_jax.model import Transformer
 from bam_train.config import TrainConfig
-from bam_train.loop import ssmax_jitter_factors
+from bam_train.data import train_iterator
+from bam_train.loop import build, ssmax_jitter_factors
 
 MODEL = ModelConfig.of_size(
     "nano", encoding="bam_ssmax", n_layers=3, ssmax_capped_layers=1, attention_impl="reference"
@@ -82,9 +83,6 @@ def test_bad_jitter_settings_name_the_field(changes, message):
 
 
 def test_a_jittered_train_step_runs_and_differs_from_an_unjittered_one():
-    from bam_train.data import train_iterator
-    from bam_train.loop import build
-
     base = preset("micro").replace(model=preset("micro").model.replace(ssmax_capped_layers=1))
     losses = {}
     for jitter in (0.0, 0.5):
