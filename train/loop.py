@@ -86,7 +86,7 @@ def ssmax_jitter_factors(cfg: TrainConfig, step: jax.Array) -> jax.Array | None:
     stream = jax.random.fold_in(jax.random.key(cfg.seed), SSMAX_JITTER_STREAM)
     key = jax.random.fold_in(stream, step)
     factor = 1.0 - cfg.ssmax_jitter * jax.random.uniform(key, dtype=jnp.float32)
-    capped_L = jnp.arange(cfg.model.n_layers) < cfg.model.ssmax_capped_layers
+    capped_L = jnp.asarray([cap is not None for cap in cfg.model.ssmax_max_counts()])
     return jnp.where(capped_L, 1.0, factor)
 
 
