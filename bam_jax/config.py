@@ -59,7 +59,11 @@ class ModelConfig:
     `ssmax_capped_layers` caps SSMax's key count n at `max_seq_len` in the first that many
     layers, so they attend at any length as sharply as at the training context while the
     later layers scale with the prompt (0, the paper's model: no cap; docs/spec.md section 4);
-    `local_window` is the rope_local window (None = max_seq_len, as in the reference);
+    `local_layers` makes the first that many layers sliding-window (local) layers: each of
+    their queries sees only the latest `local_window` positions, at any prompt length (0: all
+    layers global, the paper's model);
+    `local_window` is the window of rope_local and of the local layers (None = max_seq_len,
+    as in the reference's rope_local);
     `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below);
     `attention_impl`, `block_q`, `block_k` select the attention kernel and its tiles (None:
     the implementation's default, which for Pallas depends on the backend and head dim);
@@ -94,6 +98,7 @@ class ModelConfig:
     train_ssmax_scale: bool = True
     ssmax_prior_inside: bool = True
     ssmax_capped_layers: int = 0
+    local_layers: int = 0
     rope_theta: float = 500000.0
     sinusoidal_theta: float = 10000.0
     local_window: int | None = None
@@ -115,6 +120,7 @@ class ModelConfig:
         if self.local_window is not None:
             _check_positive_int("local_window", self.local_window)
         self._check_ssmax_capped_layers()
+        self._check_local_layers()
         for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta", "sinusoidal_theta"):
             value = getattr(self, name)
             if not _is_float32_number(value) or value <= 0:
@@ -147,6 +153,18 @@ class ModelConfig:
         for field in dataclasses.fields(self):
             if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"{field.name} must be a bool, got {getattr(self, field.name)!r}")
+
+    def _check_local_layers(self) -> None:
+        local = self.local_layers
+        if not isinstance(local, int) or isinstance(local, bool):
+            raise ValueError(f"local_layers must be an int, got {local!r}")
+        if not 0 <= local <= self.n_layers:
+            raise ValueError(f"local_layers must be in [0, n_layers={self.n_layers}], got {local}")
+        if self.scan_layers and 0 < local < self.n_layers:
+            raise ValueError(
+                f"local_layers={local} of {self.n_layers} mixes local and global layers, which "
+                "scan_layers=True cannot stack into one scanned block; use scan_layers=False"
+            )
 
     def _check_ssmax_capped_layers(self) -> None:
         capped = self.ssmax_capped_layers
@@ -195,6 +213,23 @@ class ModelConfig:
         if self.base_encoding != "rope_local":
             return None
         return self.max_seq_len if self.local_window is None else self.local_window
+
+    def ssmax_growing_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether SSMax's key count grows with the prompt without bound (an SSMax
+        layer that is neither capped nor windowed)."""
+        return tuple(
+            self.ssmax and cap is None and window is None
+            for cap, window in zip(self.ssmax_max_counts(), self.layer_windows(), strict=True)
+        )
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: its attention window (rope_local's, or a local layer's), None for a
+        global layer."""
+        local = self.max_seq_len if self.local_window is None else self.local_window
+        return tuple(
+            self.window if self.window is not None else (local if i < self.local_layers else None)
+            for i in range(self.n_layers)
+        )
 
     @classmethod
     def of_size(cls, size: str, **overrides: Any) -> ModelConfig:

@@ -274,6 +274,11 @@ def reference_args(config: ModelConfig, *, prior_naming: PriorNaming = "theta") 
             "on SSMax's key count, so it would compute other logits past max_seq_len; "
             "export a model with ssmax_capped_layers=0"
         )
+    if config.local_layers:
+        raise ValueError(
+            f"local_layers={config.local_layers}: the reference code has no sliding-window "
+            "layers beside its global ones; export a model with local_layers=0"
+        )
     window = config.window
     model_args: dict[str, Any] = {
         "dim": config.dim,

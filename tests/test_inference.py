@@ -61,11 +61,20 @@ def cached_logits(model: Transformer, tokens: jax.Array, chunk_size: int) -> lis
 
 @pytest.mark.parametrize(
     ("encoding", "chunk_size"),
-    [("bam_ssmax", 5), ("rope", 3), ("alibi_ssmax", 5), ("sinusoidal", 3), ("rope_local", 5)],
+    [
+        ("bam_ssmax", 5),
+        ("rope", 3),
+        ("alibi_ssmax", 5),
+        ("sinusoidal", 3),
+        ("rope_local", 5),
+        ("bam_ssmax_local", 3),
+    ],
 )
 def test_chunked_prefill_and_decode_equal_full_forward(encoding, chunk_size):
     # Chunks of 3 and 5 do not divide the 13-token prompt: the last one is padded.
-    overrides = {"local_window": 6} if encoding == "rope_local" else {}
+    overrides = {"local_window": 6} if encoding in ("rope_local", "bam_ssmax_local") else {}
+    if encoding == "bam_ssmax_local":
+        encoding, overrides["local_layers"] = "bam_ssmax", 1
     model = built(encoding, **overrides)
     tokens = tokens_for(model)
     full = full_forward(model, tokens)

@@ -187,6 +187,30 @@ def test_rope_local_window_blocks_distant_tokens():
     assert np.all(grad[:6] == 0.0) and np.all(grad[6:10] > 0.0) and np.all(grad[10:] == 0.0)
 
 
+def test_local_layers_see_their_window_and_global_layers_everything():
+    _, local = built("bam_ssmax", n_layers=1, local_layers=1, local_window=3)
+    grad = position_gradient(local, None, position=9)
+    assert np.all(grad[:6] == 0.0) and np.all(grad[6:10] > 0.0) and np.all(grad[10:] == 0.0)
+    _, local_then_global = built("bam_ssmax", n_layers=2, local_layers=1, local_window=3)
+    assert local_then_global.config.layer_windows() == (3, None)
+    grad = position_gradient(local_then_global, None, position=9)
+    assert np.all(grad[:10] > 0.0) and np.all(grad[10:] == 0.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(local_layers=3), r"local_layers must be in \[0, n_layers=2\]"),
+        (dict(local_layers=-1), "local_layers must be in"),
+        (dict(local_layers=True), "local_layers must be an int"),
+        (dict(local_layers=1, scan_layers=True), "mixes local and global layers"),
+    ],
+)
+def test_local_layers_validation(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.of_size("nano", **overrides)
+
+
 def test_blockwise_attention_gives_the_same_model():
     _, model = built("bam_ssmax")
     blockwise = reconfigure(model, attention_impl="blockwise", block_q=4, block_k=8)

@@ -307,6 +307,13 @@ def test_a_capped_ssmax_model_is_not_exported(runs, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_model_with_local_layers_is_not_exported(runs, tmp_path):
+    config, model = load_reference_checkpoint(runs["bam_ssmax-layer-legacy"][0])
+    with pytest.raises(ValueError, match="local_layers=1: the reference code has no sliding"):
+        export_reference_checkpoint(model, config.replace(local_layers=1), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------- bad inputs
 
 

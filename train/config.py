@@ -106,11 +106,13 @@ class TrainConfig:
     (0 = one pass per step). Every `eval_every` steps (0 = never) the validation loss is
     taken over `eval_batches` micro-batches of `batch_size` rows.
 
-    `ssmax_jitter` (SSMax encodings) multiplies the learned SSMax scale of the layers past
-    `model.ssmax_capped_layers` by a factor drawn from U[1 - ssmax_jitter, 1] at each step
-    (evaluation uses 1): attention at the training length is then at times softer than the
-    model's own, so retrieval must win by margins that still hold when SSMax sharpens the
-    logits by log(n) at many times the training length.
+    `ssmax_jitter` (SSMax encodings) multiplies the learned SSMax scale of the layers whose
+    key count grows with the prompt (`model.ssmax_growing_layers`: neither capped by
+    `model.ssmax_capped_layers` nor windowed by `model.local_layers`) by a factor drawn from
+    U[1 - ssmax_jitter, 1] for each row at each step (evaluation uses 1): attention at the
+    training length is then at times softer than the model's own, so retrieval must win by
+    margins that still hold when SSMax sharpens the logits by log(n) at many times the
+    training length.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.of_size("toy"))
@@ -150,10 +152,12 @@ class TrainConfig:
                 f"ssmax_jitter={self.ssmax_jitter} needs an SSMax encoding (*_ssmax), got "
                 f"model.encoding={self.model.encoding!r}; set ssmax_jitter=0"
             )
-        if self.ssmax_jitter and self.model.ssmax_capped_layers == self.model.n_layers:
+        if self.ssmax_jitter and not any(self.model.ssmax_growing_layers()):
             raise ValueError(
-                f"ssmax_jitter={self.ssmax_jitter} applies to the layers past "
-                f"model.ssmax_capped_layers, but all {self.model.n_layers} are capped"
+                f"ssmax_jitter={self.ssmax_jitter} applies to the layers whose SSMax key count "
+                "grows with the prompt, but all "
+                f"{self.model.n_layers} are capped (model.ssmax_capped_layers) or windowed "
+                "(model.local_layers, rope_local)"
             )
         if self.eval_every and self.eval_batches < 1:
             raise ValueError(
