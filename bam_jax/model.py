@@ -18,7 +18,6 @@ float32 (the policy is spelled out in ModelConfig's docstring and docs/precision
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -188,8 +187,7 @@ class Attention(nnx.Module):
         """Output [B, T, E]; with `kv` (the layer's cache buffers) also the updated buffers.
 
         `ssmax_max_count` caps SSMax's key count (`dot_product_attention`);
-        `ssmax_scale_factor` multiplies the learned SSMax scale (training's SSMax jitter): a
-        scalar, or one factor per batch row [B]."""
+        `ssmax_scale_factor` multiplies the learned SSMax scale (training's SSMax jitter)."""
         cfg = self.config
         batch, length, _ = x_BxTxE.shape
         q_BxTxHxD = self.wq(x_BxTxE).reshape(batch, length, cfg.n_heads, cfg.head_dim)
@@ -206,11 +204,16 @@ class Attention(nnx.Module):
             values = jax.lax.dynamic_update_slice(kv[1], v_BxTxKxD.astype(kv[1].dtype), start)
         else:
             keys, values = k_BxTxKxD, v_BxTxKxD
-        attend = functools.partial(
-            dot_product_attention,
+        out_BxTxHxD = dot_product_attention(
+            q_BxTxHxD,
+            keys.astype(q_BxTxHxD.dtype),
+            values.astype(q_BxTxHxD.dtype),
             prior=self._prior(prior),
+            ssmax_scale_H=self._ssmax_scale(ssmax_scale_factor),
             # The SSMax baselines scale only the content term; ALiBi's bias comes after.
             ssmax_prior_inside=cfg.ssmax_prior_inside and cfg.base_encoding == "bam",
+            query_segment_ids_BxT=segment_ids_BxT,
+            key_segment_ids_BxS=segment_ids_BxT,
             query_offset=offset,
             causal=True,
             window=self.window,
@@ -219,47 +222,8 @@ class Attention(nnx.Module):
             block_q=cfg.block_q,
             block_k=cfg.block_k,
         )
-        keys_in, values_in = keys.astype(q_BxTxHxD.dtype), values.astype(q_BxTxHxD.dtype)
-        if ssmax_scale_factor is not None and jnp.ndim(ssmax_scale_factor) == 1:
-            out_BxTxHxD = self._attend_per_row(
-                attend, q_BxTxHxD, keys_in, values_in, segment_ids_BxT, ssmax_scale_factor
-            )
-        else:
-            out_BxTxHxD = attend(
-                q_BxTxHxD,
-                keys_in,
-                values_in,
-                ssmax_scale_H=self._ssmax_scale(ssmax_scale_factor),
-                query_segment_ids_BxT=segment_ids_BxT,
-                key_segment_ids_BxS=segment_ids_BxT,
-            )
         out_BxTxE = self.wo(out_BxTxHxD.reshape(batch, length, cfg.n_heads * cfg.head_dim))
         return out_BxTxE if kv is None else (out_BxTxE, (keys, values))
-
-    def _attend_per_row(
-        self,
-        attend: Callable,
-        q_BxTxHxD: jax.Array,
-        k_BxSxKxD: jax.Array,
-        v_BxSxKxD: jax.Array,
-        segment_ids_BxT: jax.Array | None,
-        factor_B: jax.Array,
-    ) -> jax.Array:
-        """Attention with the SSMax scale multiplied by a factor per batch row."""
-
-        def one_row(q_TxHxD, k_SxKxD, v_SxKxD, segment_ids_T, factor):
-            segment_ids_1xT = None if segment_ids_T is None else segment_ids_T[None]
-            out_1xTxHxD = attend(
-                q_TxHxD[None],
-                k_SxKxD[None],
-                v_SxKxD[None],
-                ssmax_scale_H=self._ssmax_scale(factor),
-                query_segment_ids_BxT=segment_ids_1xT,
-                key_segment_ids_BxS=segment_ids_1xT,
-            )
-            return out_1xTxHxD[0]
-
-        return jax.vmap(one_row)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, factor_B)
 
     def _ssmax_scale(self, factor: float | jax.Array | None) -> jax.Array | None:
         if self.seq_scale is None:
@@ -436,14 +400,13 @@ class Transformer(nnx.Module):
         *,
         cache: KVCache | None = None,
         num_valid: int | jax.Array | None = None,
-        ssmax_scale_factors: jax.Array | None = None,
+        ssmax_scale_factors_L: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """The final-normed hidden states [B, T, E] (and the new cache): the forward pass
         without the output projection, for callers that need logits at a few positions.
 
-        `ssmax_scale_factors` multiplies each layer's learned SSMax scale: [n_layers] one
-        factor per layer, or [n_layers, B] one per layer and batch row (the trainer's SSMax
-        jitter, `TrainConfig.ssmax_jitter`); None leaves the model as it is."""
+        `ssmax_scale_factors_L` [n_layers] multiplies each layer's learned SSMax scale (the
+        trainer's SSMax jitter, `TrainConfig.ssmax_jitter`); None leaves the model as it is."""
         cfg = self.config
         if tokens_BxT.ndim != 2:
             raise ValueError(f"tokens_BxT must be [batch, length], got shape {tokens_BxT.shape}")
@@ -455,8 +418,8 @@ class Transformer(nnx.Module):
             raise ValueError("segment_ids_BxT is not supported together with a cache")
         if cache is None and num_valid is not None:
             raise ValueError("num_valid only applies to a forward with a cache")
-        if ssmax_scale_factors is not None:
-            self._check_ssmax_scale_factors(ssmax_scale_factors, tokens_BxT.shape[0])
+        if ssmax_scale_factors_L is not None:
+            self._check_ssmax_scale_factors(ssmax_scale_factors_L)
         length = tokens_BxT.shape[1]
         offset = None if cache is None else cache.length
 
@@ -471,7 +434,7 @@ class Transformer(nnx.Module):
         prior = None if self.prior is None else self.prior()
 
         layers = self._scan_layers if cfg.scan_layers else self._unrolled_layers
-        h_BxTxE, kv = layers(h_BxTxE, segment_ids_BxT, prior, cache, ssmax_scale_factors)
+        h_BxTxE, kv = layers(h_BxTxE, segment_ids_BxT, prior, cache, ssmax_scale_factors_L)
         h_BxTxE = self.norm(h_BxTxE)
         if cache is None:
             return h_BxTxE
@@ -481,26 +444,25 @@ class Transformer(nnx.Module):
     def _block_fn(self) -> Callable:
         return nnx.remat(_apply_block) if self.config.remat else _apply_block
 
-    def _check_ssmax_scale_factors(self, factors: jax.Array, batch: int) -> None:
+    def _check_ssmax_scale_factors(self, factors_L: jax.Array) -> None:
         if not self.config.ssmax:
             raise ValueError(
-                f"ssmax_scale_factors needs an SSMax encoding, got {self.config.encoding!r}"
+                f"ssmax_scale_factors_L needs an SSMax encoding, got {self.config.encoding!r}"
             )
-        layers = self.config.n_layers
-        if jnp.shape(factors) not in ((layers,), (layers, batch)):
+        if jnp.shape(factors_L) != (self.config.n_layers,):
             raise ValueError(
-                f"ssmax_scale_factors must have shape [n_layers] = ({layers},) or "
-                f"[n_layers, batch] = ({layers}, {batch}), got {jnp.shape(factors)}"
+                f"ssmax_scale_factors_L must have shape [n_layers] = ({self.config.n_layers},), "
+                f"got {jnp.shape(factors_L)}"
             )
 
-    def _unrolled_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, scale_factors):
+    def _unrolled_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, scale_factors_L):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         keys, values = [], []
         max_counts = self.config.ssmax_max_counts()
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
-            factor = None if scale_factors is None else scale_factors[i]
+            factor = None if scale_factors_L is None else scale_factors_L[i]
             h_BxTxE, kv = apply(
                 block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts[i], factor
             )
@@ -511,7 +473,7 @@ class Transformer(nnx.Module):
             return h_BxTxE, None
         return h_BxTxE, (tuple(keys), tuple(values))
 
-    def _scan_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, scale_factors):
+    def _scan_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, scale_factors_L):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         # The scan reads and writes stacked [L, ...] buffers: a copy of the cache per call.
@@ -523,7 +485,7 @@ class Transformer(nnx.Module):
             return apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count, factor)
 
         h_BxTxE, kv = run(
-            self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts_L, scale_factors
+            self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts_L, scale_factors_L
         )
         if kv is None:
             return h_BxTxE, None

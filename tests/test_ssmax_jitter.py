@@ -1,4 +1,4 @@
-"""SSMax jitter: scale factors per row for the uncapped SSMax layers, and the model's
+"""SSMax jitter: scale factors per micro-batch for the uncapped SSMax layers, and the model's
 forward under them."""
 
 import dataclasses
@@ -27,31 +27,30 @@ def jitter_config(jitter: float, seed: int = 0) -> TrainConfig:
 
 def test_factors_lie_in_range_leave_capped_layers_alone_and_follow_seed_and_step():
     cfg = jitter_config(0.5)
-    factors_AxLxB = np.asarray(ssmax_jitter_factors(cfg, jnp.int32(7), 2, 64))
-    assert factors_AxLxB.shape == (2, 3, 64)
-    np.testing.assert_array_equal(factors_AxLxB[:, 0], 1.0)
-    np.testing.assert_array_equal(factors_AxLxB[:, 1], factors_AxLxB[:, 2])
-    rows = factors_AxLxB[:, 1].ravel()
-    assert rows.min() >= 0.5 and rows.max() <= 1.0
-    assert rows.max() - rows.min() > 0.3, "the rows' draws should spread over the range"
-    assert not np.array_equal(factors_AxLxB[0, 1], factors_AxLxB[1, 1]), "micro-batches differ"
-    again = np.asarray(ssmax_jitter_factors(cfg, jnp.int32(7), 2, 64))
-    np.testing.assert_array_equal(again, factors_AxLxB)
-    next_step = np.asarray(ssmax_jitter_factors(cfg, jnp.int32(8), 2, 64))
-    assert not np.array_equal(next_step, factors_AxLxB)
-    other_seed = np.asarray(ssmax_jitter_factors(jitter_config(0.5, seed=1), jnp.int32(7), 2, 64))
-    assert not np.array_equal(other_seed, factors_AxLxB)
+    factors = np.concatenate(
+        [np.asarray(ssmax_jitter_factors(cfg, jnp.int32(s), 2)) for s in range(32)]
+    )
+    assert factors.shape == (64, 3)
+    np.testing.assert_array_equal(factors[:, 0], 1.0)
+    np.testing.assert_array_equal(factors[:, 1], factors[:, 2])
+    assert factors[:, 1].min() >= 0.5 and factors[:, 1].max() <= 1.0
+    assert factors[:, 1].max() - factors[:, 1].min() > 0.3, "draws should spread over the range"
+    assert factors[14, 1] != factors[15, 1], "the micro-batches of a step draw their own"
+    again = np.asarray(ssmax_jitter_factors(cfg, jnp.int32(7), 2))
+    np.testing.assert_array_equal(again, factors[14:16])
+    other_seed = np.asarray(ssmax_jitter_factors(jitter_config(0.5, seed=1), jnp.int32(7), 2))
+    assert not np.array_equal(other_seed, factors[14:16])
 
 
 def test_windowed_layers_are_not_jittered():
     cfg = TrainConfig(model=MODEL.replace(ssmax_capped_layers=0, local_layers=2), ssmax_jitter=0.5)
-    factors_AxLxB = np.asarray(ssmax_jitter_factors(cfg, jnp.int32(3), 1, 16))
-    np.testing.assert_array_equal(factors_AxLxB[:, :2], 1.0)
-    assert factors_AxLxB[:, 2].min() < 0.9
+    factors_AxL = np.asarray(ssmax_jitter_factors(cfg, jnp.int32(3), 4))
+    np.testing.assert_array_equal(factors_AxL[:, :2], 1.0)
+    assert factors_AxL[:, 2].min() < 0.9
 
 
 def test_no_jitter_gives_no_factors():
-    assert ssmax_jitter_factors(jitter_config(0.0), jnp.int32(3), 1, 4) is None
+    assert ssmax_jitter_factors(jitter_config(0.0), jnp.int32(3), 1) is None
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
@@ -60,7 +59,7 @@ def test_factors_scale_each_layers_learned_ssmax_scale(scan_layers):
     model = Transformer(config, rngs=nnx.Rngs(0))
     tokens_BxT = jax.random.randint(jax.random.key(1), (2, 24), 0, config.vocab_size)
     factors_L = jnp.asarray([1.0, 0.6, 0.8], jnp.float32)
-    jittered = model.hidden_states(tokens_BxT, ssmax_scale_factors=factors_L)
+    jittered = model.hidden_states(tokens_BxT, ssmax_scale_factors_L=factors_L)
     scaled = Transformer(config, rngs=nnx.Rngs(0))
     if scan_layers:
         scale_LxH = scaled.layers.attention.seq_scale
@@ -73,43 +72,10 @@ def test_factors_scale_each_layers_learned_ssmax_scale(scan_layers):
     assert np.abs(np.asarray(jittered) - np.asarray(unjittered)).max() > 1e-4
 
 
-@pytest.mark.parametrize("attention_impl", ["reference", "blockwise"])
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_factors_per_row_give_each_row_its_own_scale(scan_layers, attention_impl):
-    """Values and gradients of a [n_layers, B] factor equal, row by row, those of the row's
-    [n_layers] factor, with documents (segment ids) and a length off the block size."""
-    config = MODEL.replace(
-        scan_layers=scan_layers, attention_impl=attention_impl, block_q=8, block_k=8
-    )
-    model = Transformer(config, rngs=nnx.Rngs(0))
-    tokens_BxT = jax.random.randint(jax.random.key(1), (2, 21), 0, config.vocab_size)
-    segment_ids_BxT = jnp.asarray([[0] * 21, [0] * 9 + [1] * 12], jnp.int32)
-    factors_LxB = jnp.asarray([[1.0, 1.0], [0.6, 0.9], [0.8, 0.3]], jnp.float32)
-
-    def loss(m, tokens, segments, factors):
-        hidden = m.hidden_states(tokens, segments, ssmax_scale_factors=factors)
-        return jnp.sum(jnp.sin(hidden))
-
-    per_row, grads = nnx.value_and_grad(loss)(model, tokens_BxT, segment_ids_BxT, factors_LxB)
-    row_values, row_grads = [], []
-    for b in range(2):
-        rows = slice(b, b + 1)
-        value, grad = nnx.value_and_grad(loss)(
-            model, tokens_BxT[rows], segment_ids_BxT[rows], factors_LxB[:, b]
-        )
-        row_values.append(value)
-        row_grads.append(grad)
-    np.testing.assert_allclose(per_row, sum(row_values), rtol=1e-5)
-    summed = jax.tree.map(lambda a, b: a + b, *row_grads)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(summed), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("shape", [(2,), (3, 2), (3, 1, 1)])
-def test_factors_of_the_wrong_shape_are_refused(shape):
+def test_factors_of_the_wrong_shape_are_refused():
     model = Transformer(MODEL, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"shape \[n_layers\] = \(3,\) or \[n_layers, batch\]"):
-        model.hidden_states(jnp.zeros((1, 8), jnp.int32), ssmax_scale_factors=jnp.ones(shape))
+    with pytest.raises(ValueError, match=r"shape \[n_layers\] = \(3,\)"):
+        model.hidden_states(jnp.zeros((1, 8), jnp.int32), ssmax_scale_factors_L=jnp.ones(2))
 
 
 @pytest.mark.parametrize(

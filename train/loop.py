@@ -54,18 +54,18 @@ class NonFiniteLossError(RuntimeError):
 
 
 def loss_sums(
-    parts: ModelParts, params, consts, batch: Batch, ssmax_factors_LxB: jax.Array | None = None
+    parts: ModelParts, params, consts, batch: Batch, ssmax_factors_L: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy over trained targets of a [batch, seq_len] micro-batch, and the
     number of trained targets.
 
     With `loss_positions` [batch, P] in the batch (rows trained on P known positions, such as
     passkey answers) only those P positions go through the output projection.
-    `ssmax_factors_LxB` multiplies each layer's SSMax scale in each row (`ssmax_jitter_factors`).
+    `ssmax_factors_L` multiplies each layer's SSMax scale (`ssmax_jitter_factors`).
     """
     model = parts.merge(params, consts)
     hidden_BxPxE = model.hidden_states(
-        batch["inputs"], segment_ids_BxT=batch["segment_ids"], ssmax_scale_factors=ssmax_factors_LxB
+        batch["inputs"], segment_ids_BxT=batch["segment_ids"], ssmax_scale_factors_L=ssmax_factors_L
     )
     targets_BxP, mask_BxP = batch["targets"], batch["loss_mask"]
     if "loss_positions" in batch:
@@ -76,22 +76,20 @@ def loss_sums(
     return model.cross_entropy_sum(hidden_BxPxE, targets_BxP, mask_BxP), jnp.sum(mask_BxP)
 
 
-def ssmax_jitter_factors(
-    cfg: TrainConfig, step: jax.Array, micro_batches: int, rows: int
-) -> jax.Array | None:
-    """The [micro_batches, n_layers, rows] SSMax scale factors of optimizer step `step`
-    (None without jitter): one draw from U[1 - ssmax_jitter, 1] per row of every micro-batch,
-    from the run's seed and the step, shared by the layers whose key count grows with the
-    prompt (`ModelConfig.ssmax_growing_layers`); 1 for the capped and windowed layers, whose
-    key count stays the training one at any length."""
+def ssmax_jitter_factors(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> jax.Array | None:
+    """The [micro_batches, n_layers] SSMax scale factors of optimizer step `step` (None
+    without jitter): one draw from U[1 - ssmax_jitter, 1] per micro-batch, from the run's
+    seed and the step, shared by the layers whose key count grows with the prompt
+    (`ModelConfig.ssmax_growing_layers`); 1 for the capped and windowed layers, whose key
+    count stays the training one at any length."""
     if not cfg.ssmax_jitter:
         return None
     stream = jax.random.fold_in(jax.random.key(cfg.seed), SSMAX_JITTER_STREAM)
     key = jax.random.fold_in(stream, step)
-    draws_AxB = jax.random.uniform(key, (micro_batches, rows), dtype=jnp.float32)
-    factors_Ax1xB = (1.0 - cfg.ssmax_jitter * draws_AxB)[:, None, :]
+    draws_A = jax.random.uniform(key, (micro_batches,), dtype=jnp.float32)
+    factors_Ax1 = (1.0 - cfg.ssmax_jitter * draws_A)[:, None]
     growing_L = jnp.asarray(cfg.model.ssmax_growing_layers())
-    return jnp.where(growing_L[None, :, None], factors_Ax1xB, 1.0)
+    return jnp.where(growing_L[None, :], factors_Ax1, 1.0)
 
 
 def make_train_step(
@@ -102,8 +100,8 @@ def make_train_step(
     )
 
     def step(state: TrainState, batch_AxBxT: Batch) -> tuple[TrainState, dict]:
-        micro_batches, rows = batch_AxBxT["inputs"].shape[:2]
-        factors_AxLxB = ssmax_jitter_factors(cfg, state.step, micro_batches, rows)
+        micro_batches = batch_AxBxT["inputs"].shape[0]
+        factors_AxL = ssmax_jitter_factors(cfg, state.step, micro_batches)
 
         def micro(carry, batch_and_factors):
             loss_sum, count, grads = carry
@@ -112,7 +110,7 @@ def make_train_step(
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-        (loss_sum, count, grads), _ = jax.lax.scan(micro, init, (batch_AxBxT, factors_AxLxB))
+        (loss_sum, count, grads), _ = jax.lax.scan(micro, init, (batch_AxBxT, factors_AxL))
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
