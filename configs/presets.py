@@ -69,19 +69,19 @@ def quickstart() -> TrainConfig:
 
     Each layer has its own prior, starting with ALiBi slopes and shapes spread over [0, 1]
     (local and flat heads) and learning ten times faster than the weights, so local and
-    retrieval heads separate within the short run. The first layer's SSMax key count is
-    capped at the training context (`ssmax_capped_layers=1`): its local heads then read the
-    preceding tokens as sharply at 500x as in training, which the retrieval head of the
-    second layer needs to copy the key digit by digit. Next-token loss on 16 random prompt
-    positions per row, besides the answer digits, makes the first layer's local heads read
-    the preceding tokens in a way that survives SSMax sharpening them far past the training
-    length. The vocabulary is Mistral's cut down to the passkey strings' tokens, which halves
-    the step time against the full 32768-way output layer. SSMax jitter 0.75 trains the
-    second layer's SSMax at a scale drawn from [0.25, 1] of its own at each step, so its
-    retrieval heads learn the margins that hold when SSMax sharpens them by log(n) at 500x
-    (docs/spec.md section 4). Blockwise attention in 64 x 64
-    tiles skips the tiles above the causal diagonal: 2x faster steps than the reference
-    attention on a 2-core CPU (docs/benchmarks.md).
+    retrieval heads separate within the short run. The first layer is a local layer: each
+    query sees the latest 16 tokens (`local_layers=1, local_window=16`), so at 500x it reads
+    the preceding tokens exactly as in training, and none of its heads can average over the
+    whole prompt, a signal that changes with length and that the retrieval head of the
+    second layer, which copies the key digit by digit, misreads. Next-token loss on 16 random
+    prompt positions per row, besides the answer digits, trains the first layer's local heads
+    to read the preceding tokens. The vocabulary is Mistral's cut down to the passkey
+    strings' tokens, which halves the step time against the full 32768-way output layer.
+    SSMax jitter 0.75 trains the second layer's SSMax at a scale drawn from [0.25, 1] of its
+    own at each step, so its retrieval heads learn the margins that hold when SSMax sharpens
+    them by log(n) at 500x (docs/spec.md section 4). Blockwise attention in 64 x 64 tiles
+    skips the tiles above the causal diagonal: 2x faster steps than the reference attention
+    on a 2-core CPU (docs/benchmarks.md).
     """
     return TrainConfig(
         model=ModelConfig.of_size(
@@ -92,7 +92,8 @@ def quickstart() -> TrainConfig:
             global_prior=False,
             prior_alpha_init="slope",
             prior_beta_init="linear",
-            ssmax_capped_layers=1,
+            local_layers=1,
+            local_window=16,
             attention_impl="blockwise",
             block_q=64,
             block_k=64,
@@ -123,7 +124,7 @@ def quickstart_answer_loss() -> TrainConfig:
     cfg = quickstart()
     return cfg.replace(
         model=dataclasses.replace(
-            cfg.model, vocab_size=32768, global_prior=True, ssmax_capped_layers=0
+            cfg.model, vocab_size=32768, global_prior=True, local_layers=0, local_window=None
         ),
         data=DataConfig(source="passkey", tokenizer="mistral"),
         steps=3000,

@@ -39,6 +39,9 @@ def test_quickstart_config_is_the_headline_model():
     assert cfg.ssmax_jitter > 0 and quickstart_config("rope_ssmax").ssmax_jitter == cfg.ssmax_jitter
     no_ssmax = quickstart_config("bam")
     assert no_ssmax.ssmax_jitter == 0 and no_ssmax.model.ssmax_capped_layers == 0
+    assert cfg.model.layer_windows() == (16, None)
+    assert no_ssmax.model.layer_windows() == cfg.model.layer_windows()
+    assert cfg.model.ssmax_growing_layers() == (False, True)
 
 
 def test_a_run_stopped_by_sigterm_is_not_evaluated(tmp_path, monkeypatch, capsys):
