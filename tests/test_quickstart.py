@@ -150,7 +150,7 @@ UNTUNED_SEED = 11
 
 @pytest.mark.slow
 def test_the_recipe_retrieves_at_500x_with_an_untuned_seed(tmp_path):
-    """The whole quick-start recipe (5000 steps, about 8 minutes on 2 cores) with a fresh
+    """The whole quick-start recipe (5000 steps, about 15 minutes on 2 cores) with a fresh
     seed: at least 80% of 20 passkey prompts at 500x the training length."""
     out = _run(tmp_path, "--seed", str(UNTUNED_SEED), "--multiples", "500", "--samples", "20")
     accuracies = _accuracies(out, f"bam_ssmax_seed{UNTUNED_SEED}")
