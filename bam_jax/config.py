@@ -210,8 +210,10 @@ class ModelConfig:
     @property
     def window(self) -> int | None:
         """Attention window of rope_local (keys farther than this are masked), else None."""
-        if self.base_encoding != "rope_local":
-            return None
+        return self._window_size if self.base_encoding == "rope_local" else None
+
+    @property
+    def _window_size(self) -> int:
         return self.max_seq_len if self.local_window is None else self.local_window
 
     def ssmax_growing_layers(self) -> tuple[bool, ...]:
@@ -225,10 +227,10 @@ class ModelConfig:
     def layer_windows(self) -> tuple[int | None, ...]:
         """Per layer: its attention window (rope_local's, or a local layer's), None for a
         global layer."""
-        local = self.max_seq_len if self.local_window is None else self.local_window
+        if self.window is not None:
+            return (self.window,) * self.n_layers
         return tuple(
-            self.window if self.window is not None else (local if i < self.local_layers else None)
-            for i in range(self.n_layers)
+            self._window_size if i < self.local_layers else None for i in range(self.n_layers)
         )
 
     @classmethod

@@ -211,8 +211,9 @@ def test_local_layers_validation(overrides, message):
         ModelConfig.of_size("nano", **overrides)
 
 
-def test_blockwise_attention_gives_the_same_model():
-    _, model = built("bam_ssmax")
+@pytest.mark.parametrize("overrides", [{}, {"local_layers": 1, "local_window": 3}])
+def test_blockwise_attention_gives_the_same_model(overrides):
+    _, model = built("bam_ssmax", **overrides)
     blockwise = reconfigure(model, attention_impl="blockwise", block_q=4, block_k=8)
     np.testing.assert_allclose(run(blockwise), run(model), atol=2e-5)
 

@@ -109,10 +109,10 @@ class TrainConfig:
     `ssmax_jitter` (SSMax encodings) multiplies the learned SSMax scale of the layers whose
     key count grows with the prompt (`model.ssmax_growing_layers`: neither capped by
     `model.ssmax_capped_layers` nor windowed by `model.local_layers`) by a factor drawn from
-    U[1 - ssmax_jitter, 1] for each micro-batch of each step (evaluation uses 1): attention at the
-    training length is then at times softer than the model's own, so retrieval must win by
-    margins that still hold when SSMax sharpens the logits by log(n) at many times the
-    training length.
+    U[1 - ssmax_jitter, 1] for each micro-batch of each step (evaluation uses 1): attention
+    at the training length is then at times softer than the model's own, so retrieval must
+    win by margins that still hold when SSMax sharpens the logits by log(n) at many times
+    the training length.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.of_size("toy"))
