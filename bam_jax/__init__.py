@@ -27,6 +27,7 @@ from bam_jax.kv_cache import KVCache
 from bam_jax.masking import PADDING_SEGMENT
 from bam_jax.model import (
     Attention,
+    LayerFactors,
     PriorConstant,
     PriorParam,
     SSMaxParam,
@@ -61,6 +62,7 @@ __all__ = [
     "Attention",
     "GGDPrior",
     "KVCache",
+    "LayerFactors",
     "ModelConfig",
     "PriorConstant",
     "PriorParam",

@@ -224,6 +224,10 @@ class ModelConfig:
             for cap, window in zip(self.ssmax_max_counts(), self.layer_windows(), strict=True)
         )
 
+    def global_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its queries see every earlier key (no window)."""
+        return tuple(window is None for window in self.layer_windows())
+
     def layer_windows(self) -> tuple[int | None, ...]:
         """Per layer: its attention window (rope_local's, or a local layer's), None for a
         global layer."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -183,11 +184,14 @@ class Attention(nnx.Module):
         cache_length: jax.Array | None = None,
         ssmax_max_count: int | jax.Array | None = None,
         ssmax_scale_factor: float | jax.Array | None = None,
+        prior_dilation: float | jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KV]:
         """Output [B, T, E]; with `kv` (the layer's cache buffers) also the updated buffers.
 
         `ssmax_max_count` caps SSMax's key count (`dot_product_attention`);
-        `ssmax_scale_factor` multiplies the learned SSMax scale (training's SSMax jitter)."""
+        `ssmax_scale_factor` multiplies the learned SSMax scale (training's SSMax jitter);
+        `prior_dilation` evaluates the BAM prior at that many times every distance
+        (training's prior dilation, `GGDPrior.dilated`)."""
         cfg = self.config
         batch, length, _ = x_BxTxE.shape
         q_BxTxHxD = self.wq(x_BxTxE).reshape(batch, length, cfg.n_heads, cfg.head_dim)
@@ -208,7 +212,7 @@ class Attention(nnx.Module):
             q_BxTxHxD,
             keys.astype(q_BxTxHxD.dtype),
             values.astype(q_BxTxHxD.dtype),
-            prior=self._prior(prior),
+            prior=self._prior(prior, prior_dilation),
             ssmax_scale_H=self._ssmax_scale(ssmax_scale_factor),
             # The SSMax baselines scale only the content term; ALiBi's bias comes after.
             ssmax_prior_inside=cfg.ssmax_prior_inside and cfg.base_encoding == "bam",
@@ -230,17 +234,29 @@ class Attention(nnx.Module):
             return None
         return self.seq_scale[...] if factor is None else self.seq_scale[...] * factor
 
-    def _prior(self, prior: Prior | None) -> Prior | None:
+    def _prior(self, prior: Prior | None, dilation: float | jax.Array | None) -> Prior | None:
         base = self.config.base_encoding
         if base == "alibi":
             return alibi_prior(self.config.n_heads)
         if base != "bam":
             return None
         if self.prior is not None:
-            return self.prior()
+            prior = self.prior()
         if prior is None:
             raise ValueError("a BAM model with a global prior needs the prior passed as prior=")
-        return prior
+        return prior if dilation is None else prior.dilated(dilation)
+
+
+@flax.struct.dataclass
+class LayerFactors:
+    """Per-layer factors that training draws to vary the attention it learns under (each
+    [n_layers], or one layer's scalar inside the layer loop; None leaves that part as it is):
+    `ssmax_scale_L` multiplies each layer's learned SSMax scale (`TrainConfig.ssmax_jitter`)
+    and `prior_dilation_L` evaluates each layer's BAM prior at that many times every
+    distance (`TrainConfig.prior_dilation`). Evaluation uses none."""
+
+    ssmax_scale_L: jax.Array | None = None
+    prior_dilation_L: jax.Array | None = None
 
 
 class FeedForward(nnx.Module):
@@ -274,7 +290,7 @@ class TransformerBlock(nnx.Module):
         kv: KV | None,
         cache_length: jax.Array | None,
         ssmax_max_count: int | jax.Array | None = None,
-        ssmax_scale_factor: jax.Array | None = None,
+        factors: LayerFactors | None = None,
     ) -> tuple[jax.Array, KV | None]:
         attended = self.attention(
             self.attention_norm(x_BxTxE),
@@ -283,7 +299,8 @@ class TransformerBlock(nnx.Module):
             kv=kv,
             cache_length=cache_length,
             ssmax_max_count=ssmax_max_count,
-            ssmax_scale_factor=ssmax_scale_factor,
+            ssmax_scale_factor=None if factors is None else factors.ssmax_scale_L,
+            prior_dilation=None if factors is None else factors.prior_dilation_L,
         )
         if kv is not None:
             attended, kv = attended
@@ -299,11 +316,14 @@ def _apply_block(
     kv: KV | None,
     cache_length: jax.Array | None,
     ssmax_max_count: int | jax.Array | None,
-    ssmax_scale_factor: jax.Array | None,
+    factors: LayerFactors | None,
 ) -> tuple[jax.Array, KV | None]:
-    return block(
-        x_BxTxE, segment_ids_BxT, prior, kv, cache_length, ssmax_max_count, ssmax_scale_factor
-    )
+    return block(x_BxTxE, segment_ids_BxT, prior, kv, cache_length, ssmax_max_count, factors)
+
+
+def _layer_slice(factors: LayerFactors | None, layer: int) -> LayerFactors | None:
+    """Layer `layer`'s scalars of per-layer factors."""
+    return None if factors is None else jax.tree.map(lambda x_L: x_L[layer], factors)
 
 
 def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> TransformerBlock:
@@ -400,13 +420,13 @@ class Transformer(nnx.Module):
         *,
         cache: KVCache | None = None,
         num_valid: int | jax.Array | None = None,
-        ssmax_scale_factors_L: jax.Array | None = None,
+        layer_factors: LayerFactors | None = None,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """The final-normed hidden states [B, T, E] (and the new cache): the forward pass
         without the output projection, for callers that need logits at a few positions.
 
-        `ssmax_scale_factors_L` [n_layers] multiplies each layer's learned SSMax scale (the
-        trainer's SSMax jitter, `TrainConfig.ssmax_jitter`); None leaves the model as it is."""
+        `layer_factors` holds the trainer's per-layer SSMax scale factors and prior
+        dilations (`LayerFactors`); None leaves the model as it is."""
         cfg = self.config
         if tokens_BxT.ndim != 2:
             raise ValueError(f"tokens_BxT must be [batch, length], got shape {tokens_BxT.shape}")
@@ -418,8 +438,8 @@ class Transformer(nnx.Module):
             raise ValueError("segment_ids_BxT is not supported together with a cache")
         if cache is None and num_valid is not None:
             raise ValueError("num_valid only applies to a forward with a cache")
-        if ssmax_scale_factors_L is not None:
-            self._check_ssmax_scale_factors(ssmax_scale_factors_L)
+        if layer_factors is not None:
+            self._check_layer_factors(layer_factors)
         length = tokens_BxT.shape[1]
         offset = None if cache is None else cache.length
 
@@ -434,7 +454,7 @@ class Transformer(nnx.Module):
         prior = None if self.prior is None else self.prior()
 
         layers = self._scan_layers if cfg.scan_layers else self._unrolled_layers
-        h_BxTxE, kv = layers(h_BxTxE, segment_ids_BxT, prior, cache, ssmax_scale_factors_L)
+        h_BxTxE, kv = layers(h_BxTxE, segment_ids_BxT, prior, cache, layer_factors)
         h_BxTxE = self.norm(h_BxTxE)
         if cache is None:
             return h_BxTxE
@@ -444,27 +464,34 @@ class Transformer(nnx.Module):
     def _block_fn(self) -> Callable:
         return nnx.remat(_apply_block) if self.config.remat else _apply_block
 
-    def _check_ssmax_scale_factors(self, factors_L: jax.Array) -> None:
-        if not self.config.ssmax:
+    def _check_layer_factors(self, factors: LayerFactors) -> None:
+        cfg = self.config
+        if factors.ssmax_scale_L is not None and not cfg.ssmax:
             raise ValueError(
-                f"ssmax_scale_factors_L needs an SSMax encoding, got {self.config.encoding!r}"
+                f"layer_factors.ssmax_scale_L needs an SSMax encoding, got {cfg.encoding!r}"
             )
-        if jnp.shape(factors_L) != (self.config.n_layers,):
+        if factors.prior_dilation_L is not None and cfg.base_encoding != "bam":
             raise ValueError(
-                f"ssmax_scale_factors_L must have shape [n_layers] = ({self.config.n_layers},), "
-                f"got {jnp.shape(factors_L)}"
+                f"layer_factors.prior_dilation_L needs a BAM encoding, got {cfg.encoding!r}"
             )
+        for name in ("ssmax_scale_L", "prior_dilation_L"):
+            factors_L = getattr(factors, name)
+            if factors_L is not None and jnp.shape(factors_L) != (cfg.n_layers,):
+                raise ValueError(
+                    f"layer_factors.{name} must have shape [n_layers] = ({cfg.n_layers},), "
+                    f"got {jnp.shape(factors_L)}"
+                )
 
-    def _unrolled_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, scale_factors_L):
+    def _unrolled_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, layer_factors):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         keys, values = [], []
         max_counts = self.config.ssmax_max_counts()
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.keys[i], cache.values[i])
-            factor = None if scale_factors_L is None else scale_factors_L[i]
+            factors = _layer_slice(layer_factors, i)
             h_BxTxE, kv = apply(
-                block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts[i], factor
+                block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts[i], factors
             )
             if kv is not None:
                 keys.append(kv[0])
@@ -473,7 +500,7 @@ class Transformer(nnx.Module):
             return h_BxTxE, None
         return h_BxTxE, (tuple(keys), tuple(values))
 
-    def _scan_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, scale_factors_L):
+    def _scan_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, layer_factors):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         # The scan reads and writes stacked [L, ...] buffers: a copy of the cache per call.
@@ -481,11 +508,11 @@ class Transformer(nnx.Module):
         max_counts_L = self._stacked_ssmax_max_counts()
 
         @nnx.scan(in_axes=(0, nnx.Carry, None, None, 0, None, 0, 0), out_axes=(nnx.Carry, 0))
-        def run(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count, factor):
-            return apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count, factor)
+        def run(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count, factors):
+            return apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count, factors)
 
         h_BxTxE, kv = run(
-            self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts_L, scale_factors_L
+            self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts_L, layer_factors
         )
         if kv is None:
             return h_BxTxE, None

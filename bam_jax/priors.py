@@ -53,6 +53,13 @@ class GGDPrior:
     def bias(self, distance: jax.Array) -> jax.Array:
         return ggd_bias(self.theta_alpha_H, self.theta_beta_H, self.theta_mu_H, distance)
 
+    def dilated(self, factor: float | jax.Array) -> GGDPrior:
+        """The prior seen at `factor` times every distance: exp(a_h) grows by factor ** b_h,
+        so local heads (b_h > 0) narrow and heads flat with distance (b_h <= 0) stay flat.
+        Exact for mu_h = 0, up to eps."""
+        theta_alpha_H = self.theta_alpha_H + self.theta_beta_H * jnp.log(factor)
+        return self.replace(theta_alpha_H=theta_alpha_H)
+
 
 @flax.struct.dataclass
 class AlibiPrior:

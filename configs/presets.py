@@ -106,6 +106,7 @@ def quickstart() -> TrainConfig:
         checkpoint_every=500,
         progress_bar=True,
         ssmax_jitter=0.75,
+        prior_dilation=500.0,
     )
 
 
@@ -129,6 +130,7 @@ def quickstart_answer_loss() -> TrainConfig:
         data=DataConfig(source="passkey", tokenizer="mistral"),
         steps=3000,
         ssmax_jitter=0.0,
+        prior_dilation=1.0,
     )
 
 

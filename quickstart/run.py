@@ -34,14 +34,20 @@ def quickstart_config(
 ) -> TrainConfig:
     """A preset (default `quickstart`) with another encoding, step count or seed (the seed
     draws the model's initialisation and the training data). Encodings without SSMax drop
-    the preset's SSMax cap (`ssmax_capped_layers`) and jitter (`ssmax_jitter`); the SSMax
-    ones keep them."""
+    the preset's SSMax cap (`ssmax_capped_layers`) and jitter (`ssmax_jitter`), encodings
+    without BAM's prior its prior dilation (`prior_dilation`); the others keep them."""
     cfg = preset(preset_name)
     ssmax = encoding.endswith("_ssmax")
+    bam = encoding.removesuffix("_ssmax") == "bam"
     model = cfg.model.replace(
         encoding=encoding, ssmax_capped_layers=cfg.model.ssmax_capped_layers if ssmax else 0
     )
-    cfg = cfg.replace(model=model, seed=seed, ssmax_jitter=cfg.ssmax_jitter if ssmax else 0.0)
+    cfg = cfg.replace(
+        model=model,
+        seed=seed,
+        ssmax_jitter=cfg.ssmax_jitter if ssmax else 0.0,
+        prior_dilation=cfg.prior_dilation if bam else 1.0,
+    )
     return cfg if steps is None else cfg.replace(steps=steps)
 
 

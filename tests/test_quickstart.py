@@ -39,6 +39,8 @@ def test_quickstart_config_is_the_headline_model():
     assert cfg.ssmax_jitter > 0 and quickstart_config("rope_ssmax").ssmax_jitter == cfg.ssmax_jitter
     no_ssmax = quickstart_config("bam")
     assert no_ssmax.ssmax_jitter == 0 and no_ssmax.model.ssmax_capped_layers == 0
+    assert cfg.prior_dilation > 1 and no_ssmax.prior_dilation == cfg.prior_dilation
+    assert quickstart_config("alibi_ssmax").prior_dilation == 1.0
     assert cfg.model.layer_windows() == (16, None)
     assert no_ssmax.model.layer_windows() == cfg.model.layer_windows()
     assert cfg.model.ssmax_growing_layers() == (False, True)
@@ -144,13 +146,13 @@ def test_quickstart_shortened_end_to_end(tmp_path, capsys):
     assert os.path.exists(os.path.join(out, "bam_ssmax", "passkey_depth_equidistant.png"))
 
 
-# A seed that no recipe choice was tuned or checked on (those used 0, 1, 2, 5 and 7).
-UNTUNED_SEED = 11
+# A seed that no recipe choice was tuned or checked on (those used 0, 1, 2, 5, 7 and 11).
+UNTUNED_SEED = 13
 
 
 @pytest.mark.slow
 def test_the_recipe_retrieves_at_500x_with_an_untuned_seed(tmp_path):
-    """The whole quick-start recipe (5000 steps, about 15 minutes on 2 cores) with a fresh
+    """The whole quick-start recipe (5000 steps, 5-15 minutes on 2 cores) with a fresh
     seed: at least 80% of 20 passkey prompts at 500x the training length."""
     out = _run(tmp_path, "--seed", str(UNTUNED_SEED), "--multiples", "500", "--samples", "20")
     accuracies = _accuracies(out, f"bam_ssmax_seed{UNTUNED_SEED}")

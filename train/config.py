@@ -113,6 +113,13 @@ class TrainConfig:
     at the training length is then at times softer than the model's own, so retrieval must
     win by margins that still hold when SSMax sharpens the logits by log(n) at many times
     the training length.
+
+    `prior_dilation` (BAM encodings; 1 = off) evaluates the prior of every global layer (not
+    windowed by `model.local_layers`) at u times every distance, u drawn log-uniformly from
+    [1, prior_dilation] for each micro-batch of each step (evaluation uses 1;
+    `bam_jax.GGDPrior.dilated`): local heads narrow and flat heads stay flat, as when the
+    same tokens lie u times further apart, so the model cannot rely on a head that reaches
+    the needle at the training length only because the prompt is short.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.of_size("toy"))
@@ -134,6 +141,7 @@ class TrainConfig:
     profile_steps: int = 5
     progress_bar: bool = True
     ssmax_jitter: float = 0.0
+    prior_dilation: float = 1.0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every", "checkpoint_every", "keep_last"):
@@ -159,6 +167,7 @@ class TrainConfig:
                 f"{self.model.n_layers} are capped (model.ssmax_capped_layers) or windowed "
                 "(model.local_layers, rope_local)"
             )
+        self._check_prior_dilation()
         if self.eval_every and self.eval_batches < 1:
             raise ValueError(
                 f"eval_batches must be >= 1 when eval_every > 0, got {self.eval_batches}"
@@ -167,6 +176,21 @@ class TrainConfig:
             raise ValueError(
                 f"tokens_per_step ({self.tokens_per_step}) must be a multiple of batch_size * "
                 f"model.max_seq_len ({self.batch_size} * {self.seq_len} = {self.tokens_per_pass})"
+            )
+
+    def _check_prior_dilation(self) -> None:
+        _check_float32("prior_dilation", self.prior_dilation, minimum=1.0, maximum=1e6)
+        if self.prior_dilation == 1.0:
+            return
+        if self.model.base_encoding != "bam":
+            raise ValueError(
+                f"prior_dilation={self.prior_dilation} needs a BAM encoding (bam, bam_ssmax), "
+                f"got model.encoding={self.model.encoding!r}; set prior_dilation=1"
+            )
+        if not any(self.model.global_layers()):
+            raise ValueError(
+                f"prior_dilation={self.prior_dilation} applies to the global layers, but all "
+                f"{self.model.n_layers} are windowed (model.local_layers)"
             )
 
     @property

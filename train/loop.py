@@ -35,7 +35,7 @@ from bam_jax.io.checkpoints import (
     explained_read_errors,
 )
 from bam_jax.io.files import is_url, run_path, write_text_atomically
-from bam_jax.model import count_params
+from bam_jax.model import LayerFactors, count_params
 from bam_train.checkpoint import Checkpointer
 from bam_train.config import TrainConfig, validate_for_runtime
 from bam_train.data import BatchLayout, loss_positions_per_row, train_iterator, val_batches
@@ -45,8 +45,10 @@ from bam_train.sharding import batch_sharding, local_rows, make_mesh, replicated
 from bam_train.state import ModelParts, TrainState, init_state, state_shardings
 
 Batch = dict[str, Any]
-# Folded into the seed's key for the SSMax jitter draws, apart from every other use of it.
+# Folded into the seed's key for the SSMax jitter and prior dilation draws, apart from every
+# other use of it.
 SSMAX_JITTER_STREAM = 0x55AA
+PRIOR_DILATION_STREAM = 0x5A5A
 
 
 class NonFiniteLossError(RuntimeError):
@@ -54,18 +56,19 @@ class NonFiniteLossError(RuntimeError):
 
 
 def loss_sums(
-    parts: ModelParts, params, consts, batch: Batch, ssmax_factors_L: jax.Array | None = None
+    parts: ModelParts, params, consts, batch: Batch, factors: LayerFactors | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy over trained targets of a [batch, seq_len] micro-batch, and the
     number of trained targets.
 
     With `loss_positions` [batch, P] in the batch (rows trained on P known positions, such as
     passkey answers) only those P positions go through the output projection.
-    `ssmax_factors_L` multiplies each layer's SSMax scale (`ssmax_jitter_factors`).
+    `factors` are the step's per-layer SSMax scale factors and prior dilations
+    (`layer_factors`).
     """
     model = parts.merge(params, consts)
     hidden_BxPxE = model.hidden_states(
-        batch["inputs"], segment_ids_BxT=batch["segment_ids"], ssmax_scale_factors_L=ssmax_factors_L
+        batch["inputs"], segment_ids_BxT=batch["segment_ids"], layer_factors=factors
     )
     targets_BxP, mask_BxP = batch["targets"], batch["loss_mask"]
     if "loss_positions" in batch:
@@ -76,20 +79,40 @@ def loss_sums(
     return model.cross_entropy_sum(hidden_BxPxE, targets_BxP, mask_BxP), jnp.sum(mask_BxP)
 
 
-def ssmax_jitter_factors(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> jax.Array | None:
-    """The [micro_batches, n_layers] SSMax scale factors of optimizer step `step` (None
-    without jitter): one draw from U[1 - ssmax_jitter, 1] per micro-batch, from the run's
-    seed and the step, shared by the layers whose key count grows with the prompt
-    (`ModelConfig.ssmax_growing_layers`); 1 for the capped and windowed layers, whose key
-    count stays the training one at any length."""
-    if not cfg.ssmax_jitter:
+def layer_factors(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> LayerFactors | None:
+    """The per-layer factors of optimizer step `step`, each [micro_batches, n_layers] (None
+    when the run draws neither), from the run's seed and the step:
+    - `ssmax_scale_L` (with `ssmax_jitter`): one draw from U[1 - ssmax_jitter, 1] per
+      micro-batch, shared by the layers whose key count grows with the prompt
+      (`ModelConfig.ssmax_growing_layers`); 1 for the capped and windowed layers, whose key
+      count stays the training one at any length.
+    - `prior_dilation_L` (with `prior_dilation` > 1): one draw of exp(U[0, log
+      prior_dilation]) per micro-batch, shared by the global layers; 1 for the windowed
+      ones, which never see a distance beyond their window."""
+    ssmax_AxL = _ssmax_jitter_factors(cfg, step, micro_batches) if cfg.ssmax_jitter else None
+    dilation_AxL = _prior_dilations(cfg, step, micro_batches) if cfg.prior_dilation > 1 else None
+    if ssmax_AxL is None and dilation_AxL is None:
         return None
-    stream = jax.random.fold_in(jax.random.key(cfg.seed), SSMAX_JITTER_STREAM)
-    key = jax.random.fold_in(stream, step)
-    draws_A = jax.random.uniform(key, (micro_batches,), dtype=jnp.float32)
+    return LayerFactors(ssmax_scale_L=ssmax_AxL, prior_dilation_L=dilation_AxL)
+
+
+def _uniform_draws(cfg: TrainConfig, stream: int, step: jax.Array, count: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), stream), step)
+    return jax.random.uniform(key, (count,), dtype=jnp.float32)
+
+
+def _ssmax_jitter_factors(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> jax.Array:
+    draws_A = _uniform_draws(cfg, SSMAX_JITTER_STREAM, step, micro_batches)
     factors_Ax1 = (1.0 - cfg.ssmax_jitter * draws_A)[:, None]
     growing_L = jnp.asarray(cfg.model.ssmax_growing_layers())
     return jnp.where(growing_L[None, :], factors_Ax1, 1.0)
+
+
+def _prior_dilations(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> jax.Array:
+    draws_A = _uniform_draws(cfg, PRIOR_DILATION_STREAM, step, micro_batches)
+    dilations_Ax1 = jnp.exp(math.log(cfg.prior_dilation) * draws_A)[:, None]
+    global_L = jnp.asarray(cfg.model.global_layers())
+    return jnp.where(global_L[None, :], dilations_Ax1, 1.0)
 
 
 def make_train_step(
@@ -101,7 +124,7 @@ def make_train_step(
 
     def step(state: TrainState, batch_AxBxT: Batch) -> tuple[TrainState, dict]:
         micro_batches = batch_AxBxT["inputs"].shape[0]
-        factors_AxL = ssmax_jitter_factors(cfg, state.step, micro_batches)
+        factors = layer_factors(cfg, state.step, micro_batches)
 
         def micro(carry, batch_and_factors):
             loss_sum, count, grads = carry
@@ -110,7 +133,7 @@ def make_train_step(
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-        (loss_sum, count, grads), _ = jax.lax.scan(micro, init, (batch_AxBxT, factors_AxL))
+        (loss_sum, count, grads), _ = jax.lax.scan(micro, init, (batch_AxBxT, factors))
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)

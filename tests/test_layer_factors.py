@@ -1,0 +1,234 @@
+"""Training's per-layer factors: SSMax jitter (scale factors per micro-batch for the uncapped
+SSMax layers) and prior dilation (distance factors for the global layers' BAM priors), and the
+model's forward under them."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bam_configs.presets import preset
+from bam_jax.config import ModelConfig
+from bam_jax.model import LayerFactors, Transformer
+from bam_jax.priors import GGDPrior
+from bam_train.config import TrainConfig
+from bam_train.data import train_iterator
+from bam_train.loop import build, layer_factors
+
+MODEL = ModelConfig.of_size(
+    "nano", encoding="bam_ssmax", n_layers=3, ssmax_capped_layers=1, attention_impl="reference"
+)
+
+
+def jitter_config(jitter: float, seed: int = 0) -> TrainConfig:
+    return TrainConfig(model=MODEL, ssmax_jitter=jitter, seed=seed)
+
+
+def ssmax_jitter_factors(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> jax.Array:
+    factors = layer_factors(cfg, step, micro_batches)
+    assert factors.prior_dilation_L is None
+    return factors.ssmax_scale_L
+
+
+def test_factors_lie_in_range_leave_capped_layers_alone_and_follow_seed_and_step():
+    cfg = jitter_config(0.5)
+    factors = np.concatenate(
+        [np.asarray(ssmax_jitter_factors(cfg, jnp.int32(s), 2)) for s in range(32)]
+    )
+    assert factors.shape == (64, 3)
+    np.testing.assert_array_equal(factors[:, 0], 1.0)
+    np.testing.assert_array_equal(factors[:, 1], factors[:, 2])
+    assert factors[:, 1].min() >= 0.5 and factors[:, 1].max() <= 1.0
+    assert factors[:, 1].max() - factors[:, 1].min() > 0.3, "draws should spread over the range"
+    assert factors[14, 1] != factors[15, 1], "the micro-batches of a step draw their own"
+    again = np.asarray(ssmax_jitter_factors(cfg, jnp.int32(7), 2))
+    np.testing.assert_array_equal(again, factors[14:16])
+    other_seed = np.asarray(ssmax_jitter_factors(jitter_config(0.5, seed=1), jnp.int32(7), 2))
+    assert not np.array_equal(other_seed, factors[14:16])
+
+
+def test_windowed_layers_are_not_jittered():
+    cfg = TrainConfig(model=MODEL.replace(ssmax_capped_layers=0, local_layers=2), ssmax_jitter=0.5)
+    factors_AxL = np.asarray(ssmax_jitter_factors(cfg, jnp.int32(3), 4))
+    np.testing.assert_array_equal(factors_AxL[:, :2], 1.0)
+    assert factors_AxL[:, 2].min() < 0.9
+
+
+def test_no_jitter_and_no_dilation_give_no_factors():
+    assert layer_factors(jitter_config(0.0), jnp.int32(3), 1) is None
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_factors_scale_each_layers_learned_ssmax_scale(scan_layers):
+    config = MODEL.replace(scan_layers=scan_layers)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    tokens_BxT = jax.random.randint(jax.random.key(1), (2, 24), 0, config.vocab_size)
+    factors_L = jnp.asarray([1.0, 0.6, 0.8], jnp.float32)
+    jittered = model.hidden_states(tokens_BxT, layer_factors=LayerFactors(ssmax_scale_L=factors_L))
+    scaled = Transformer(config, rngs=nnx.Rngs(0))
+    if scan_layers:
+        scale_LxH = scaled.layers.attention.seq_scale
+        scale_LxH[...] = scale_LxH[...] * factors_L[:, None]
+    else:
+        for layer, factor in zip(scaled.layers, factors_L, strict=True):
+            layer.attention.seq_scale[...] = layer.attention.seq_scale[...] * factor
+    np.testing.assert_allclose(jittered, scaled.hidden_states(tokens_BxT), rtol=1e-6, atol=1e-6)
+    unjittered = model.hidden_states(tokens_BxT)
+    assert np.abs(np.asarray(jittered) - np.asarray(unjittered)).max() > 1e-4
+
+
+@pytest.mark.parametrize("field", ["ssmax_scale_L", "prior_dilation_L"])
+def test_factors_of_the_wrong_shape_are_refused(field):
+    model = Transformer(MODEL, rngs=nnx.Rngs(0))
+    factors = LayerFactors(**{field: jnp.ones(2)})
+    with pytest.raises(ValueError, match=rf"{field} must have shape \[n_layers\] = \(3,\)"):
+        model.hidden_states(jnp.zeros((1, 8), jnp.int32), layer_factors=factors)
+
+
+@pytest.mark.parametrize(
+    "encoding, field, message",
+    [
+        ("bam", "ssmax_scale_L", "needs an SSMax encoding"),
+        ("alibi_ssmax", "prior_dilation_L", "needs a BAM encoding"),
+    ],
+)
+def test_factors_for_a_part_the_model_lacks_are_refused(encoding, field, message):
+    model = Transformer(MODEL.replace(encoding=encoding, ssmax_capped_layers=0), rngs=nnx.Rngs(0))
+    factors = LayerFactors(**{field: jnp.ones(3)})
+    with pytest.raises(ValueError, match=message):
+        model.hidden_states(jnp.zeros((1, 8), jnp.int32), layer_factors=factors)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"ssmax_jitter": 1.0}, r"ssmax_jitter must be in \[0, 0.99\]"),
+        ({"ssmax_jitter": -0.1}, r"ssmax_jitter must be in \[0, 0.99\]"),
+        ({"model": MODEL.replace(encoding="bam", ssmax_capped_layers=0)}, "needs an SSMax"),
+        ({"model": MODEL.replace(ssmax_capped_layers=3)}, "all 3 are capped"),
+        ({"model": MODEL.replace(local_layers=3)}, r"all 3 are capped .* or windowed"),
+    ],
+)
+def test_bad_jitter_settings_name_the_field(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(jitter_config(0.5), **changes)
+
+
+def test_a_jittered_train_step_runs_and_differs_from_an_unjittered_one():
+    base = preset("micro").replace(model=preset("micro").model.replace(ssmax_capped_layers=1))
+    losses = {}
+    for jitter in (0.0, 0.5):
+        setup = build(base.replace(ssmax_jitter=jitter))
+        state = setup.init()
+        batch = setup.global_batch(next(train_iterator(base.data, base.seq_len, 0, setup.layout())))
+        _, metrics = setup.train_step(state, batch)
+        losses[jitter] = float(metrics["loss"])
+    assert np.isfinite(losses[0.5]) and losses[0.5] != losses[0.0]
+
+
+def dilation_config(dilation: float, seed: int = 0, **model_changes) -> TrainConfig:
+    return TrainConfig(model=MODEL.replace(**model_changes), prior_dilation=dilation, seed=seed)
+
+
+def test_a_dilated_prior_is_the_prior_at_longer_distances():
+    theta_alpha_H = jnp.asarray([-1.8, -0.1, 0.8, -5.1], jnp.float32)
+    theta_beta_H = jnp.asarray([0.53, -1.72, 0.0, 1.38], jnp.float32)
+    prior = GGDPrior(theta_alpha_H, theta_beta_H, jnp.zeros(4, jnp.float32))
+    distances = -jnp.arange(1, 200, dtype=jnp.float32)
+    for factor in (1.0, 7.0, 500.0):
+        np.testing.assert_allclose(
+            prior.dilated(factor).bias(distances), prior.bias(factor * distances), rtol=2e-5
+        )
+
+
+def test_dilations_are_log_uniform_for_the_global_layers_and_follow_seed_and_step():
+    cfg = dilation_config(500.0, local_layers=1, ssmax_capped_layers=0)
+    dilations = np.concatenate(
+        [np.asarray(layer_factors(cfg, jnp.int32(s), 4).prior_dilation_L) for s in range(64)]
+    )
+    assert dilations.shape == (256, 3)
+    np.testing.assert_array_equal(dilations[:, 0], 1.0)
+    np.testing.assert_array_equal(dilations[:, 1], dilations[:, 2])
+    assert dilations[:, 1].min() >= 1.0 and dilations[:, 1].max() <= 500.0 * (1 + 1e-6)
+    logs = np.log(dilations[:, 1]) / math.log(500.0)
+    assert abs(np.median(logs) - 0.5) < 0.1, "draws should be uniform in log"
+    assert logs.min() < 0.05 and logs.max() > 0.95
+    again = np.asarray(layer_factors(cfg, jnp.int32(9), 4).prior_dilation_L)
+    np.testing.assert_array_equal(again, dilations[36:40])
+    other = layer_factors(dilation_config(500.0, seed=1, local_layers=1), jnp.int32(9), 4)
+    assert not np.array_equal(np.asarray(other.prior_dilation_L), dilations[36:40])
+
+
+def test_dilation_and_jitter_draw_apart():
+    both = layer_factors(dilation_config(500.0).replace(ssmax_jitter=0.5), jnp.int32(5), 2)
+    jitter_only = layer_factors(jitter_config(0.5), jnp.int32(5), 2)
+    np.testing.assert_array_equal(both.ssmax_scale_L, jitter_only.ssmax_scale_L)
+    assert both.prior_dilation_L.shape == (2, 3)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_dilations_stretch_each_layers_prior(scan_layers):
+    config = MODEL.replace(scan_layers=scan_layers, global_prior=False, prior_beta_init="linear")
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    tokens_BxT = jax.random.randint(jax.random.key(1), (2, 40), 0, config.vocab_size)
+    dilations_L = jnp.asarray([1.0, 30.0, 4.0], jnp.float32)
+    factors = LayerFactors(prior_dilation_L=dilations_L)
+    dilated = model.hidden_states(tokens_BxT, layer_factors=factors)
+    stretched = Transformer(config, rngs=nnx.Rngs(0))
+    if scan_layers:
+        prior = stretched.layers.attention.prior
+        shift_LxH = prior.theta_beta[...] * jnp.log(dilations_L)[:, None]
+        prior.theta_alpha[...] = prior.theta_alpha[...] + shift_LxH
+    else:
+        for layer, dilation in zip(stretched.layers, dilations_L, strict=True):
+            prior = layer.attention.prior
+            prior.theta_alpha[...] = prior.theta_alpha[...] + prior.theta_beta[...] * jnp.log(
+                dilation
+            )
+    expected = stretched.hidden_states(tokens_BxT)
+    np.testing.assert_allclose(dilated, expected, rtol=2e-5, atol=2e-5)
+    assert np.abs(np.asarray(dilated) - np.asarray(model.hidden_states(tokens_BxT))).max() > 1e-4
+
+
+def test_a_dilation_stretches_a_global_prior_in_each_layer_it_reaches():
+    config = MODEL.replace(global_prior=True, prior_beta_init="linear")
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    tokens_BxT = jax.random.randint(jax.random.key(1), (2, 40), 0, config.vocab_size)
+    factors = LayerFactors(prior_dilation_L=jnp.full((3,), 20.0, jnp.float32))
+    dilated = model.hidden_states(tokens_BxT, layer_factors=factors)
+    stretched = Transformer(config, rngs=nnx.Rngs(0))
+    prior = stretched.prior
+    prior.theta_alpha[...] = prior.theta_alpha[...] + prior.theta_beta[...] * jnp.log(20.0)
+    expected = stretched.hidden_states(tokens_BxT)
+    np.testing.assert_allclose(dilated, expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"prior_dilation": 0.5}, r"prior_dilation must be in \[1, 1e\+06\]"),
+        ({"prior_dilation": float("inf")}, "prior_dilation"),
+        ({"model": MODEL.replace(encoding="alibi_ssmax")}, "needs a BAM encoding"),
+        ({"model": MODEL.replace(local_layers=3)}, r"all 3 are windowed \(model.local_layers\)"),
+    ],
+)
+def test_bad_dilation_settings_name_the_field(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(dilation_config(500.0), **changes)
+
+
+def test_a_dilated_train_step_runs_and_differs_from_an_undilated_one():
+    micro = preset("micro")
+    base = micro.replace(model=micro.model.replace(prior_beta_init="linear"))
+    losses = {}
+    for dilation in (1.0, 500.0):
+        setup = build(base.replace(prior_dilation=dilation))
+        state = setup.init()
+        batch = setup.global_batch(next(train_iterator(base.data, base.seq_len, 0, setup.layout())))
+        _, metrics = setup.train_step(state, batch)
+        losses[dilation] = float(metrics["loss"])
+    assert np.isfinite(losses[500.0]) and losses[500.0] != losses[1.0]
