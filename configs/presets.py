@@ -6,15 +6,15 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
 - tiny: the "toy" model (bam_ssmax) on synthetic passkey data at context 128; trains on a
   laptop CPU in minutes.
 - quickstart: the `bam-quickstart` run: the toy bam_ssmax model with a prior per layer
-  that starts with local and flat heads, SSMax capped at the training context in the first
-  layer and jittered in the second, trained longer (5000 steps of 32 prompts) at context
-  128, on the answer digits plus 16 random prompt positions per row (next-token
-  prediction), with the passkey strings' share of the Mistral vocabulary.
+  that starts with local and flat heads, a local first layer (window 16), the second
+  layer's SSMax jittered and its priors dilated in training, trained longer (5000 steps of
+  32 prompts) at context 128, on the answer digits plus 16 random prompt positions per row
+  (next-token prediction), with the passkey strings' share of the Mistral vocabulary.
 - quickstart_multikey: the quick start with half of its prompts multi-key (two needles
   with different nouns and keys, one asked for; bam_jax.retrieval).
 - quickstart_answer_loss: the quick start's first recipe (the README's recipe table): one
-  prior shared by the layers, no SSMax cap or jitter, the full Mistral vocabulary, 3000 steps
-  on the answer digits only.
+  prior shared by the layers, no local layer, SSMax jitter or prior dilation, the full
+  Mistral vocabulary, 3000 steps on the answer digits only.
 - micro: the "nano" model for tests and smoke runs (context 96, Mistral vocabulary).
 - anchor: the configuration of the performance anchor (dim 256, 4 layers, 8 heads,
   vocabulary 32768, context 256, batch 16).
@@ -79,7 +79,9 @@ def quickstart() -> TrainConfig:
     strings' tokens, which halves the step time against the full 32768-way output layer.
     SSMax jitter 0.75 trains the second layer's SSMax at a scale drawn from [0.25, 1] of its
     own at each step, so its retrieval heads learn the margins that hold when SSMax sharpens
-    them by log(n) at 500x (docs/spec.md section 4). Blockwise attention in 64 x 64 tiles
+    them by log(n) at 500x, and prior dilation 500 evaluates its priors at up to 500 times
+    every distance, so it cannot lean on a head that reaches the needle only in short
+    prompts (docs/spec.md section 4). Blockwise attention in 64 x 64 tiles
     skips the tiles above the causal diagonal: 2x faster steps than the reference attention
     on a 2-core CPU (docs/benchmarks.md).
     """
@@ -120,8 +122,8 @@ def quickstart_multikey() -> TrainConfig:
 
 def quickstart_answer_loss() -> TrainConfig:
     """The quick start's first recipe (the README's recipe table): one prior shared by both
-    layers, no SSMax cap or jitter, the full Mistral vocabulary, 3000 steps, loss on the
-    answer digits only."""
+    layers, no local layer, SSMax jitter or prior dilation, the full Mistral vocabulary,
+    3000 steps, loss on the answer digits only."""
     cfg = quickstart()
     return cfg.replace(
         model=dataclasses.replace(
