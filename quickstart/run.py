@@ -38,7 +38,6 @@ def quickstart_config(
     without BAM's prior its prior dilation (`prior_dilation`); the others keep them."""
     cfg = preset(preset_name)
     ssmax = encoding.endswith("_ssmax")
-    bam = encoding.removesuffix("_ssmax") == "bam"
     model = cfg.model.replace(
         encoding=encoding, ssmax_capped_layers=cfg.model.ssmax_capped_layers if ssmax else 0
     )
@@ -46,7 +45,7 @@ def quickstart_config(
         model=model,
         seed=seed,
         ssmax_jitter=cfg.ssmax_jitter if ssmax else 0.0,
-        prior_dilation=cfg.prior_dilation if bam else 1.0,
+        prior_dilation=cfg.prior_dilation if model.base_encoding == "bam" else 1.0,
     )
     return cfg if steps is None else cfg.replace(steps=steps)
 

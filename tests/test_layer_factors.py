@@ -228,3 +228,43 @@ def test_a_dilation_stretches_a_global_prior_in_each_layer_it_reaches():
 def test_bad_dilation_settings_name_the_field(changes, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(dilation_config(500.0), **changes)
+
+
+def test_blockwise_attention_under_dilation_matches_the_reference_values_and_gradients():
+    """The quick start trains blockwise; its dilated priors must give the reference's values
+    and gradients (prior parameters included) at a length that is not a multiple of the
+    blocks, with a local layer and negative prior shapes."""
+    config = MODEL.replace(
+        global_prior=False, prior_beta_init="linear", local_layers=1, local_window=5
+    )
+    tokens_BxT = jax.random.randint(jax.random.key(1), (2, 45), 0, config.vocab_size)
+    dilations_L = jnp.asarray([1.0, 30.0, 4.0], jnp.float32)
+
+    def loss_and_grads(model: Transformer, factors: LayerFactors | None):
+        def loss(model):
+            hidden = model.hidden_states(tokens_BxT, layer_factors=factors)
+            return jnp.sum(hidden * jnp.cos(jnp.arange(hidden.size).reshape(hidden.shape)))
+
+        return nnx.value_and_grad(loss)(model)
+
+    blockwise = Transformer(
+        config.replace(attention_impl="blockwise", block_q=16, block_k=16), rngs=nnx.Rngs(0)
+    )
+    for layer in blockwise.layers:
+        layer.attention.prior.theta_beta[...] = jnp.asarray([-0.7, 0.0, 0.5, 1.2], jnp.float32)
+    value, grads = loss_and_grads(blockwise, LayerFactors(prior_dilation_L=dilations_L))
+    reference = Transformer(config, rngs=nnx.Rngs(0))
+    nnx.update(reference, nnx.state(blockwise))
+    for layer, dilation in zip(reference.layers, dilations_L, strict=True):
+        prior = layer.attention.prior
+        prior.theta_alpha[...] = prior.theta_alpha[...] + prior.theta_beta[...] * jnp.log(dilation)
+    expected_value, expected_grads = loss_and_grads(reference, None)
+    got_grads = nnx.to_pure_dict(grads)
+    want_grads = nnx.to_pure_dict(expected_grads)
+    # theta_beta also reaches the dilated side's logits through beta * log(u).
+    for i, dilation in enumerate(dilations_L):
+        prior = want_grads["layers"][i]["attention"]["prior"]
+        prior["theta_beta"] = prior["theta_beta"] + jnp.log(dilation) * prior["theta_alpha"]
+    np.testing.assert_allclose(value, expected_value, rtol=1e-4)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4)
