@@ -272,3 +272,24 @@ def test_a_command_with_its_extra_runs(monkeypatch, capsys):
         eval_entry.main()
     assert exit.value.code == 0
     assert re.search(r"usage: bam-eval", capsys.readouterr().out)
+
+
+def ci_script_lines() -> list[str]:
+    text = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_ci_runs_the_readme_test_command_verbatim_last():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    test_line = next(line for line in readme.splitlines() if line.endswith("&& pytest"))
+    assert ci_script_lines()[-1] == test_line
+
+
+def test_ci_also_runs_the_suite_on_the_newest_python_and_packages():
+    lines = ci_script_lines()
+    newest_venv = [line for line in lines if "-m venv .venv-newest" in line]
+    assert newest_venv, "no second virtual environment in .ci/run"
+    upgrade = [line for line in lines if "install" in line and "--upgrade -e '.[test]'" in line]
+    assert upgrade, ".ci/run does not install the newest releases in the second stack"
+    assert lines.count("pytest") >= 1 and lines.index("pytest") > lines.index(upgrade[0])
+    assert any(line.startswith("for name in python3.14 python3.13") for line in lines)
