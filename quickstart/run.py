@@ -20,7 +20,7 @@ from bam_eval import api
 from bam_eval import plots as plot_lib
 from bam_jax.logs import log_to_stdout
 from bam_train.config import TrainConfig
-from bam_train.loop import train
+from bam_train.loop import INTERRUPTED_STATUS, train
 
 DEFAULT_MULTIPLES = "1,2,4,8,16,32,64,128,256,500"
 COMPARE_ENCODINGS = "nope,rope,alibi,bam,nope_ssmax,rope_ssmax,alibi_ssmax,bam_ssmax"
@@ -121,12 +121,13 @@ def train_and_evaluate(
             workdir = os.path.join(out, "runs", name)
             start = time.perf_counter()
             result = train(quickstart_config(encoding, steps, preset_name, seed), workdir)
-            if result.preempted:
+            if result.preempted or result.interrupted:
+                by = "SIGTERM" if result.preempted else "Ctrl-C"
                 print(
-                    f"{name}: stopped by SIGTERM at step {result.step}, saved in {workdir}; "
+                    f"{name}: stopped by {by} at step {result.step}, saved in {workdir}; "
                     "nothing evaluated (the same command resumes)"
                 )
-                return 0
+                return INTERRUPTED_STATUS if result.interrupted else 0
             print(f"{name}: trained in {time.perf_counter() - start:.0f} s ({workdir})")
             runs.append(f"{name}={workdir}")
             groups.setdefault(encoding, []).append(name)

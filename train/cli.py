@@ -46,7 +46,14 @@ from bam_configs.presets import TRAINING_PRESETS, preset
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_train.config import TrainConfig, describe_type, field_type, to_config_dict
-from bam_train.loop import NonFiniteLossError, build, dry_run, format_dry_run, train
+from bam_train.loop import (
+    INTERRUPTED_STATUS,
+    NonFiniteLossError,
+    build,
+    dry_run,
+    format_dry_run,
+    train,
+)
 
 DISTRIBUTED_MODES = ("auto", "cluster", "off")
 
@@ -403,6 +410,21 @@ def run(argv: list[str]) -> int:
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        resume = (
+            ""
+            if flag_values.dry_run
+            else f"; the same command resumes from the latest checkpoint in {flag_values.workdir}"
+        )
+        print(f"interrupted (Ctrl-C): stopped without saving{resume}", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    if result.interrupted:
+        print(
+            f"interrupted (Ctrl-C): saved step {result.step} to {flag_values.workdir}; the "
+            "same command resumes",
+            file=sys.stderr,
+        )
+        return INTERRUPTED_STATUS
     print(
         f"{'stopped (SIGTERM)' if result.preempted else 'done'} at step {result.step}, "
         f"loss {result.last_loss}"

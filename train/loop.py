@@ -49,6 +49,8 @@ Batch = dict[str, Any]
 # other use of it.
 SSMAX_JITTER_STREAM = 0x55AA
 PRIOR_DILATION_STREAM = 0x5A5A
+# The exit status of a run stopped by Ctrl-C: 128 + SIGINT, what shells report for it.
+INTERRUPTED_STATUS = 130
 
 
 class NonFiniteLossError(RuntimeError):
@@ -408,38 +410,50 @@ class TrainResult:
     step: int
     state: TrainState
     last_loss: float | None
-    preempted: bool = False
+    preempted: bool = False  # stopped by SIGTERM, the current step saved
+    interrupted: bool = False  # stopped by Ctrl-C (SIGINT), the current step saved
 
 
-class _Preemption:
-    """SIGTERM as a flag the loop checks after each step.
+class _StopRequests:
+    """SIGTERM and a first SIGINT (Ctrl-C) as a request the loop checks after each step; a
+    second SIGINT kills the process at once (its default action), saving nothing.
 
-    One process: a Python signal handler (main thread only). Several processes: JAX's
-    preemption service (started by `jax.distributed.initialize`) tells every process, and
-    all of them stop at the same step.
+    One process: Python signal handlers (main thread only; a SIGINT that was ignored when
+    the run started stays ignored). Several processes: JAX's preemption service (started
+    by `jax.distributed.initialize`) tells every process of a SIGTERM, and all of them stop
+    at the same step; SIGINT keeps its KeyboardInterrupt there, since one process cannot
+    save alone.
     """
 
     def __init__(self):
-        self._signalled = False
-        self._previous = None
+        self._signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
         self._multi_process = jax.process_count() > 1
 
     def __enter__(self):
-        if not self._multi_process and _in_main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        if self._multi_process or not _in_main_thread():
+            return self
+        self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._terminate)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
-    def _handle(self, signum, frame):
-        self._signalled = True
+    def _terminate(self, signum, frame):
+        self._signal_name = self._signal_name or "SIGTERM"
 
-    def requested(self, step: int) -> bool:
+    def _interrupt(self, signum, frame):
+        self._signal_name = self._signal_name or "SIGINT"
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    def requested(self, step: int) -> str | None:
+        """The signal that asks the run to save and stop ("SIGTERM", "SIGINT"), or None."""
         if self._multi_process:
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self._signalled
+            return "SIGTERM" if multihost_utils.reached_preemption_sync_point(step) else None
+        return self._signal_name
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def _in_main_thread() -> bool:
@@ -470,8 +484,8 @@ def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> T
                 writer.print(f"resumed from step {start} in {workdir}")
             run = _Run(setup, workdir, data, val, checkpointer, writer)
             end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-            with _Preemption() as preemption:
-                return run.loop(state, start, end, preemption)
+            with _StopRequests() as stop_requests:
+                return run.loop(state, start, end, stop_requests)
 
 
 def run_summary(setup: Setup, workdir: str) -> str:
@@ -632,7 +646,7 @@ class _Run:
     pending: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
     last_loss: float | None = None
 
-    def loop(self, state: TrainState, step: int, end: int, preemption: _Preemption):
+    def loop(self, state: TrainState, step: int, end: int, stop_requests: _StopRequests):
         cfg = self.setup.cfg
         profiler = _ProfilerWindow(cfg.profile_start, cfg.profile_steps, self.workdir)
         self._window_start, self._window_steps = time.perf_counter(), 0
@@ -649,18 +663,33 @@ class _Run:
                 else:
                     self._window_steps += 1
                 self._after_step(step, end, state, metrics)
-                if preemption.requested(step):
-                    self._flush(end)
-                    self._save_unless_saved(step, state)
-                    self.checkpointer.wait()
-                    self.writer.print(f"SIGTERM: saved step {step} to {self.workdir}, exiting")
-                    return TrainResult(step, state, self.last_loss, preempted=True)
+                stop_signal = stop_requests.requested(step)
+                if stop_signal is not None:
+                    return self._save_and_stop(step, end, state, stop_signal)
         finally:
             profiler.close()
         self._flush(end)
         self._save_unless_saved(step, state)
         self.checkpointer.wait()
         return TrainResult(step, state, self.last_loss)
+
+    def _save_and_stop(
+        self, step: int, end: int, state: TrainState, stop_signal: str
+    ) -> TrainResult:
+        if stop_signal == "SIGINT":
+            self.writer.print(f"Ctrl-C: saving step {step} (Ctrl-C again stops at once, unsaved)")
+        self._flush(end)
+        self._save_unless_saved(step, state)
+        self.checkpointer.wait()
+        if stop_signal == "SIGTERM":
+            self.writer.print(f"SIGTERM: saved step {step} to {self.workdir}, exiting")
+        return TrainResult(
+            step,
+            state,
+            self.last_loss,
+            preempted=stop_signal == "SIGTERM",
+            interrupted=stop_signal == "SIGINT",
+        )
 
     def _restart_window_after(self, metrics: dict) -> None:
         """Start timing once the first step, which compiles, has run."""

@@ -1,0 +1,118 @@
+"""Ctrl-C (SIGINT) to `bam-train`: the first saves the current step and exits with status 130
+and one line, the run resumes from it; a second stops the process at once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bam_train.loop import _StopRequests
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _metric_steps(workdir: str) -> list[int]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def _command(workdir: str, steps: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "bam_train",
+        "--config=micro",
+        f"--workdir={workdir}",
+        f"--config.steps={steps}",
+        "--config.log_every=1",
+        "--config.checkpoint_every=100000",
+    ]
+
+
+def _environment(tmp_path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": REPO,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
+def _default_sigint() -> None:
+    """A shell may start background jobs with SIGINT ignored; the child gets the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_saves_exits_130_with_one_line_and_the_run_resumes(tmp_path):
+    workdir = str(tmp_path / "run")
+    env = _environment(tmp_path)
+    proc = subprocess.Popen(
+        _command(workdir, steps=100000),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+    )
+    deadline = time.time() + 300
+    while len(_metric_steps(workdir)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr[-3000:]
+    stopped_at = _metric_steps(workdir)[-1]
+    assert lines[0] == (
+        f"interrupted (Ctrl-C): saved step {stopped_at} to {workdir}; the same command resumes"
+    )
+    assert str(stopped_at) in os.listdir(os.path.join(workdir, "checkpoints"))
+
+    resumed = subprocess.run(
+        _command(workdir, steps=stopped_at + 2),
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {stopped_at}" in resumed.stdout
+    assert _metric_steps(workdir)[-2:] == [stopped_at + 1, stopped_at + 2]
+
+
+@pytest.fixture
+def sigint_handler():
+    """Set SIGINT's handler for a test (a test runner may have its own), restored after."""
+    previous = signal.getsignal(signal.SIGINT)
+    yield lambda handler: signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_second_ctrl_c_stops_at_once(sigint_handler):
+    """The first SIGINT is a request to save; after it SIGINT has its default action again,
+    which ends the process without running any more Python."""
+    sigint_handler(signal.default_int_handler)
+    with _StopRequests() as requests:
+        assert requests.requested(1) is None
+        os.kill(os.getpid(), signal.SIGINT)
+        assert requests.requested(1) == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert requests.requested(1) == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_ignored_sigint_stays_ignored(sigint_handler):
+    sigint_handler(signal.SIG_IGN)
+    with _StopRequests():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
