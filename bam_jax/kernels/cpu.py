@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bam_jax.kernels.cpu_sharding import partitioned_by_batch_and_heads
 from bam_jax.kernels.tile_math import KernelConfig
 
 CPU_BLOCK_Q = 64
@@ -77,21 +78,13 @@ def cpu_forward(
     """Output [B, T, H, D] float32 and natural-log log-sum-exp [B, H, T] (+inf for rows
     that see no key). Unpadded inputs; the table is over `prior_table_distances(config)`."""
     _register()
-    batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
+    head_dim = q_BxTxHxD.shape[3]
     placeholder_f32 = jnp.zeros((1, 1), jnp.float32)
     placeholder_i32 = jnp.zeros((1, 1), jnp.int32)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     mask = config.mask
-    call = jax.ffi.ffi_call(
-        TARGET_NAME,
-        (
-            jax.ShapeDtypeStruct(q_BxTxHxD.shape, jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
-        ),
-        vmap_method="sequential",
-    )
-    return call(
+    return partitioned_by_batch_and_heads(_kernel_call)(
         f32(q_BxTxHxD),
         f32(k_BxSxKxD),
         f32(v_BxSxKxD),
@@ -112,6 +105,20 @@ def cpu_forward(
         num_threads=np.int64(num_threads()),
         content_scale=np.float32(math.log2(math.e) / math.sqrt(head_dim)),
     )
+
+
+def _kernel_call(q_BxTxHxD: jax.Array, *operands: jax.Array, **attributes: np.generic):
+    """The custom call for these shapes (one device's shard under a mesh)."""
+    batch, q_len, num_heads, _ = q_BxTxHxD.shape
+    call = jax.ffi.ffi_call(
+        TARGET_NAME,
+        (
+            jax.ShapeDtypeStruct(q_BxTxHxD.shape, jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
+        ),
+        vmap_method="sequential",
+    )
+    return call(q_BxTxHxD, *operands, **attributes)
 
 
 @functools.cache
