@@ -8,7 +8,11 @@ Each checkpoint `WORKDIR/checkpoints/STEP/` holds (and `bam_jax.io.checkpoints` 
   config/  the resolved TrainConfig as JSON
 
 A checkpoint that cannot be used is never deleted: `Checkpointer.set_aside` renames it to
-`STEP.REASON` (orbax ignores names that are not a step number).
+`STEP.REASON` (orbax ignores names that are not a step number). A checkpoint is written in
+`STEP.orbax-checkpoint-tmp` and renamed when complete; such unfinished folders, left by a
+save that failed or a process that was killed, are removed when the next run starts. A save
+that fails on a full disk stops the run with a `DiskFullError` saying how much space a
+checkpoint needs.
 
 WORKDIR may be a URL of any scheme etils.epath supports (gs://, s3://, ...), passed to orbax
 untouched; `file://` URLs and everything else are local paths. The data position saved with
@@ -18,10 +22,15 @@ checkpoint restores on another mesh and on another number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
+import logging
 import os
-from collections.abc import Sequence
+import shutil
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
@@ -31,10 +40,78 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from bam_jax.io.checkpoints import checkpoint_dir, explained_read_errors, read_run_config
+from bam_jax.io.files import is_url
 from bam_train.config import TrainConfig
 from bam_train.state import TrainState
 
 preservation = ocp.checkpoint_managers.preservation_policy
+# How tensorstore reports a full disk; orbax raises it as a ValueError carrying this text.
+FULL_DISK_TEXTS = ("No space left on device", "[os_error_code='28']")
+
+
+class DiskFullError(RuntimeError):
+    """A write failed because the disk is full; the message says where and what to do."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether `err`, or an error it was raised from or during, reports a full disk."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return True
+        if _mentions_full_disk(str(current)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _mentions_full_disk(text: str) -> bool:
+    return any(marker in text for marker in FULL_DISK_TEXTS)
+
+
+class _FullDiskReports(logging.Filter):
+    """Drops what orbax and asyncio log, with tracebacks, about writes that failed on a full
+    disk: the run stops with one line saying so instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        full = _mentions_full_disk(record.getMessage()) or (
+            error is not None and is_disk_full(error)
+        )
+        return not full
+
+
+def quiet_full_disk_reports() -> None:
+    """Keep orbax's and asyncio's logs of full-disk write failures out of the output."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _FullDiskReports) for f in logger.filters):
+            logger.addFilter(_FullDiskReports())
+
+
+@contextlib.contextmanager
+def full_disk_stops_the_run(workdir: str) -> Iterator[None]:
+    """A full disk met by any write inside (config, metrics, events) becomes one
+    DiskFullError naming the file."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        where = getattr(err, "filename", None) or workdir
+        raise DiskFullError(
+            f"disk full: no space left to write {where}; free space and run again"
+        ) from None
+
+
+def readable_size(n_bytes: int) -> str:
+    if n_bytes < 2**30:
+        return f"{n_bytes / 2**20:,.1f} MiB"
+    return f"{n_bytes / 2**30:,.2f} GiB"
 
 
 class IteratorSnapshot:
@@ -69,8 +146,12 @@ class Checkpointer:
             preservation_policy=preservation.AnyPreservationPolicy(policies),
             enable_async_checkpointing=cfg.async_checkpoint,
             create=True,
+            cleanup_tmp_directories=True,
         )
         self.manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
+        self._saving_step: int | None = None
+        self._state_bytes = 0
+        self._failed = False
 
     def steps(self) -> list[int]:
         return list(self.manager.all_steps())
@@ -84,12 +165,16 @@ class Checkpointer:
     def save(
         self, step: int, state: TrainState, data_state: dict, config: dict, force: bool = False
     ) -> bool:
+        self.wait()  # a save still in flight fails under its own step
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=grain.checkpoint.CheckpointSave(IteratorSnapshot(data_state)),
             config=ocp.args.JsonSave(config),
         )
-        return self.manager.save(step, args=args, force=force)
+        self._saving_step = step
+        self._state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+        with self._full_disk_explained():
+            return self.manager.save(step, args=args, force=force)
 
     def read_config(self, step: int) -> TrainConfig:
         """The config saved at `step`; CheckpointReadError if it cannot be read."""
@@ -132,11 +217,64 @@ class Checkpointer:
         return target
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._full_disk_explained():
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        if self._failed:
+            # The failure was reported; closing meets the same failure again.
+            with contextlib.suppress(Exception):
+                self.manager.close()
+            return
+        self.wait()
         self.manager.close()
+
+    @contextlib.contextmanager
+    def _full_disk_explained(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as err:
+            if not is_disk_full(err):
+                raise
+            self._failed = True
+            # The writes the failure cancelled leave coroutines that never ran; Python warns
+            # about each when it collects them.
+            warnings.filterwarnings(
+                "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
+            )
+            raise DiskFullError(self._full_disk_message()) from None
+
+    def _full_disk_message(self) -> str:
+        """Where the disk is full, how much a checkpoint needs (the size of the newest one,
+        or else the state's bytes), what is free, and where the rerun starts."""
+        complete = sorted(ocp.utils.checkpoint_steps(self.directory))
+        needed = _folder_bytes(self.step_dir(complete[-1])) if complete else 0
+        needed = needed or self._state_bytes
+        space, advice = f"a checkpoint needs about {readable_size(needed)}", "free space"
+        if not is_url(self.directory):
+            free = shutil.disk_usage(self.directory).free
+            space += f", {readable_size(free)} free"
+            advice = f"free at least {readable_size(max(needed - free, 0))}"
+        resume = (
+            f"the rerun resumes from step {complete[-1]}"
+            if complete
+            else "no checkpoint is complete yet; the rerun starts from step 0"
+        )
+        return (
+            f"disk full: no space left in {self.directory} while saving step "
+            f"{self._saving_step} ({space}); {advice} and run again: {resume}"
+        )
+
+
+def _folder_bytes(directory: str) -> int:
+    """The bytes of the files under a local folder (0 for a URL)."""
+    if is_url(directory):
+        return 0
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(directory)
+        for name in names
+    )
 
 
 def read_data_state(data_dir: epath.Path) -> dict:

@@ -45,6 +45,7 @@ from ml_collections import ConfigDict, config_flags
 from bam_configs.presets import TRAINING_PRESETS, preset
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
+from bam_train.checkpoint import DiskFullError, quiet_full_disk_reports
 from bam_train.config import TrainConfig, describe_type, field_type, to_config_dict
 from bam_train.loop import (
     INTERRUPTED_STATUS,
@@ -397,6 +398,7 @@ def run(argv: list[str]) -> int:
         return 2
     initialize_distributed(flag_values)
     quiet_orphaned_checkpoint_reads()
+    quiet_full_disk_reports()
     log_to_stdout()
 
     try:
@@ -407,7 +409,7 @@ def run(argv: list[str]) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except NonFiniteLossError as err:
+    except (NonFiniteLossError, DiskFullError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

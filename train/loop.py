@@ -36,7 +36,7 @@ from bam_jax.io.checkpoints import (
 )
 from bam_jax.io.files import is_url, run_path, write_text_atomically
 from bam_jax.model import LayerFactors, count_params
-from bam_train.checkpoint import Checkpointer
+from bam_train.checkpoint import Checkpointer, full_disk_stops_the_run, readable_size
 from bam_train.config import TrainConfig, validate_for_runtime
 from bam_train.data import BatchLayout, loss_positions_per_row, train_iterator, val_batches
 from bam_train.metrics import MetricsWriter, device_peak_flops, train_flops_per_token
@@ -364,16 +364,10 @@ def _check_fits(report: dict[str, Any]) -> None:
     peak, limit = report["peak_bytes"], report["device_bytes"]
     if peak is not None and limit is not None and peak > limit:
         raise ValueError(
-            f"memory: one device needs {_gib(peak)} at its peak (train step "
-            f"{_gib(report['per_device_bytes']['total'])}), a {jax.devices()[0].device_kind} "
-            f"has {_gib(limit)}; {MEMORY_ADVICE}"
+            f"memory: one device needs {readable_size(peak)} at its peak (train step "
+            f"{readable_size(report['per_device_bytes']['total'])}), a "
+            f"{jax.devices()[0].device_kind} has {readable_size(limit)}; {MEMORY_ADVICE}"
         )
-
-
-def _gib(n_bytes: int) -> str:
-    if n_bytes < 2**30:
-        return f"{n_bytes / 2**20:,.1f} MiB"
-    return f"{n_bytes / 2**30:,.2f} GiB"
 
 
 def format_dry_run(report: dict[str, Any]) -> str:
@@ -401,8 +395,11 @@ def _fit_line(peak: int | None, limit: int | None) -> str:
     if peak is None:
         return "per-device peak: not reported by this backend"
     if limit is None:
-        return f"per-device peak: {_gib(peak)}; device memory unknown (not reported by the backend)"
-    return f"per-device peak: {_gib(peak)} of {_gib(limit)} device memory: fits"
+        return (
+            f"per-device peak: {readable_size(peak)}; device memory unknown (not reported by "
+            "the backend)"
+        )
+    return f"per-device peak: {readable_size(peak)} of {readable_size(limit)} device memory: fits"
 
 
 @dataclasses.dataclass
@@ -462,8 +459,14 @@ def _in_main_thread() -> bool:
 
 def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> TrainResult:
     """Train to `cfg.steps` (or stop after `stop_after` steps, saving), resuming from the
-    newest checkpoint in `workdir` that restores (see `_resume`)."""
+    newest checkpoint in `workdir` that restores (see `_resume`). A full disk stops the run
+    with a `DiskFullError`."""
     workdir = _prepare_workdir(workdir)
+    with full_disk_stops_the_run(workdir):
+        return _train(cfg, workdir, stop_after)
+
+
+def _train(cfg: TrainConfig, workdir: str, stop_after: int | None) -> TrainResult:
     setup = build(cfg)
     layout = setup.layout()
     data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, layout)
