@@ -16,7 +16,9 @@ only in how tiles reach it:
 On CPU, where Pallas does not lower, the same function is a native kernel
 ("cpu", bam_jax/kernels/cpu_attention.cc through XLA FFI, compiled on first use): the same
 log2 logits, table prior and online softmax, one task per (batch row, kv head, up to 8
-blocks of 64 queries) sharing each 256-key tile, with the blockwise backward.
+blocks of 64 queries) sharing each 256-key tile, with the blockwise backward. Calls of fewer
+than CPU_MIN_QUERIES queries (decode steps) run blockwise attention instead, which is
+faster there than a kernel computing whole 64-query blocks.
 
 Logits are formed in log2 units (softmax via exp2) and in float32. The GGD prior
 -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta and ALiBi -slope * |d| are evaluated
@@ -47,7 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from bam_jax.attention_inputs import checked_attention
-from bam_jax.blockwise import flash_backward
+from bam_jax.blockwise import blockwise_attention, flash_backward
+from bam_jax.kernels import cpu
 from bam_jax.kernels.cpu import CPU_BLOCK_K, CPU_BLOCK_Q, cpu_forward
 from bam_jax.kernels.gpu import gpu_defaults, gpu_forward
 from bam_jax.kernels.gpu_backward import fused_gpu_backward
@@ -109,7 +112,8 @@ def pallas_attention(
         is trusted, so the kernel can be lowered for another platform (`jax.jit(f).trace(...)
         .lower(lowering_platforms=("tpu",))`). "cpu" is the native kernel (a C++ compiler
         is needed on first use; tiles fixed at CPU_BLOCK_Q x CPU_BLOCK_K, block_q and
-        block_k ignored, prior always read from its table). To run a Pallas kernel on CPU
+        block_k ignored, prior always read from its table; fewer than CPU_MIN_QUERIES
+        queries run `blockwise_attention`, the same function). To run a Pallas kernel on CPU
         pass backend "gpu" or "tpu" and `interpret=True` (Pallas interpret mode).
     block_q, block_k: tile sizes (None = the backend's default for the head dim,
         GPU_DEFAULTS / TPU_DEFAULT_BLOCK_*). On GPU powers of two with
@@ -135,6 +139,23 @@ def pallas_attention(
     block_q, block_k = _choose_blocks(backend, interpret, head_dim, q_len, kv_len, block_q, block_k)
     prior_kind = _prior_kind(prior)
     backward = _resolve_backward(backend, backward, prior_kind)
+    if backend == "cpu" and q_len < cpu.CPU_MIN_QUERIES:
+        return blockwise_attention(
+            query_BxTxHxD,
+            key_BxSxKxD,
+            value_BxSxKxD,
+            prior=prior,
+            ssmax_scale_H=ssmax_scale_H,
+            ssmax_prior_inside=ssmax_prior_inside,
+            query_segment_ids_BxT=query_segment_ids_BxT,
+            key_segment_ids_BxS=key_segment_ids_BxS,
+            query_offset=query_offset,
+            causal=causal,
+            window=window,
+            block_q=cpu.CPU_MIN_QUERIES,
+            block_k=cpu.CPU_SHORT_BLOCK_K,
+            ssmax_max_count=ssmax_max_count,
+        )
     # The CPU kernel always reads the table: it has no per-element transcendental path.
     table_needed = prior_kind == "other" or backend == "cpu"
     prior_table = prior_kind != "none" and (prior_table or table_needed)

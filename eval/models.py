@@ -22,7 +22,7 @@ from bam_jax.attention import IMPLEMENTATION_CHOICES, default_implementation
 from bam_jax.config import ModelConfig
 from bam_jax.io.checkpoints import checkpoint_dir, checkpoint_steps, error_summary, load_params
 from bam_jax.io.files import run_path
-from bam_jax.kernels.cpu import cpu_kernel_available
+from bam_jax.kernels.cpu import cpu_kernel_preferred
 from bam_jax.model import Transformer, reconfigure
 from bam_jax.reference_checkpoint import load_reference_checkpoint
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
@@ -36,13 +36,15 @@ BLOCKWISE_INFERENCE_BLOCKS = (512, 1024)
 
 def inference_implementation(choice: str | None = None) -> str:
     """The attention evaluation runs: `choice` unless None or "auto"; by default the fused
-    kernel's CPU backend on CPU (2x blockwise over a long cache, docs/benchmarks.md) where
-    it builds (it needs a C++ compiler), else `default_implementation()`."""
+    kernel's CPU backend on CPU where `cpu_kernel_preferred()` says it is faster than
+    blockwise attention (it builds with AVX-512, and neither `use_cpu_kernel(False)` nor
+    BAM_JAX_CPU_KERNEL=off turned it off; docs/benchmarks.md), else
+    `default_implementation()`."""
     if choice not in (None, *IMPLEMENTATION_CHOICES):
         raise ValueError(f"attention must be one of {IMPLEMENTATION_CHOICES}, got {choice!r}")
     if choice not in (None, "auto"):
         return choice
-    if jax.default_backend() == "cpu" and cpu_kernel_available():
+    if jax.default_backend() == "cpu" and cpu_kernel_preferred():
         return "pallas"
     return default_implementation()
 

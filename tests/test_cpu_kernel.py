@@ -5,14 +5,20 @@ Cases cover what the kernel's tiling can get wrong: lengths that are not multipl
 documents with padding, SSMax with the prior inside and outside, grouped-query heads,
 negative and saturated prior shapes, ALiBi, windows, bidirectional attention, decoding one
 query, and head dims that are not whole 16-float vectors. Gradients run the blockwise
-backward on the kernel's output and log-sum-exp.
+backward on the kernel's output and log-sum-exp. Every test here runs the kernel itself,
+even for the few queries that pallas_attention otherwise hands to blockwise attention.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +42,21 @@ pytestmark = pytest.mark.skipif(
     not any(shutil.which(name) for name in cpu.COMPILERS),
     reason="the CPU kernel is compiled on first use and this machine has no C++ compiler",
 )
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_kernel_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The kernel is built once for the module into a temporary cache, not the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu.CACHE_ENV, str(tmp_path_factory.mktemp("kernel_cache")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def every_query_count_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "CPU_MIN_QUERIES", 0)
+
 
 VALUE_CASES = {
     "documents_ssmax_inside_gqa_hd48": Case(
@@ -119,14 +140,43 @@ def test_traced_query_offset_under_jit_and_bfloat16() -> None:
     )
 
 
-def test_results_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    case = VALUE_CASES["long_prefill_two_tasks_many_key_tiles"]
-    inputs = make_inputs(case)
-    outs = []
-    for threads in (1, 3):
-        monkeypatch.setattr(cpu, "num_threads", lambda threads=threads: threads)
-        outs.append(np.asarray(run_kernel(case, "cpu", inputs)))
-    np.testing.assert_array_equal(outs[0], outs[1])
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    # The kernel reads the CPUs it may use at every call: one compiled call, run on every
+    # CPU and then with all of the process's threads pinned to one.
+    script = """
+        import os
+        import numpy as np
+        from bam_jax.kernels import cpu
+        from tests.test_cpu_kernel import VALUE_CASES
+        from tests.test_pallas_attention import make_inputs, run_kernel
+
+        case = VALUE_CASES["long_prefill_two_tasks_many_key_tiles"]
+        inputs = make_inputs(case)
+        many = cpu.kernel_threads()
+        first = np.asarray(run_kernel(case, "cpu", inputs))
+        one_cpu = {min(os.sched_getaffinity(0))}
+        for thread in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread), one_cpu)
+        assert many >= 2 and cpu.kernel_threads() == 1, (many, cpu.kernel_threads())
+        np.testing.assert_array_equal(first, np.asarray(run_kernel(case, "cpu", inputs)))
+    """
+    run_python(script)
+
+
+def run_python(script: str) -> subprocess.CompletedProcess:
+    """Runs `script` in a fresh interpreter (with this process's kernel cache) and asserts it
+    exits cleanly: a crash fails the test instead of killing pytest."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-3000:]}"
+    return result
 
 
 def test_a_nan_query_gives_nan_output_in_its_row_only() -> None:
@@ -182,8 +232,8 @@ def test_the_build_is_cached_by_source(monkeypatch: pytest.MonkeyPatch, tmp_path
 
     def fake_compile(compiler, flags, path):
         compiled.append(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"")
+        cpu._digest_path(path).write_text(cpu._sha256(path))
 
     monkeypatch.setattr(cpu, "_compile", fake_compile)
     monkeypatch.setenv("BAM_JAX_KERNEL_CACHE", str(tmp_path))
@@ -196,9 +246,14 @@ def test_the_build_is_cached_by_source(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert cpu._build(extra_flags=("-mno-avx512f",)) not in compiled[:2]
 
 
-def test_evaluation_runs_the_cpu_kernel_unless_told_otherwise() -> None:
+def test_evaluation_runs_the_cpu_kernel_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from bam_eval.models import inference_implementation
 
+    monkeypatch.setattr(cpu, "_cpu_may_have_avx512", lambda: True)
+    monkeypatch.setattr(cpu, "_built_with_avx512", lambda library: True)
+    monkeypatch.delenv(cpu.SWITCH_ENV, raising=False)
     assert inference_implementation() == "pallas"
     assert inference_implementation("auto") == "pallas"
     assert inference_implementation("blockwise") == "blockwise"
@@ -210,6 +265,9 @@ def test_evaluation_runs_the_cpu_kernel_unless_told_otherwise() -> None:
 def test_the_portable_build_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     # What machines without AVX-512 run: the generic vector code instead of the intrinsics.
     library = ctypes.cdll.LoadLibrary(str(cpu._build(extra_flags=("-mno-avx512f",))))
+    assert not cpu._built_with_avx512(library)
+    cpu_has_avx512 = " avx512f" in Path("/proc/cpuinfo").read_text()
+    assert cpu._built_with_avx512(cpu._register()) == cpu_has_avx512
     name = "bam_cpu_attention_forward_portable"
     jax.ffi.register_ffi_target(
         name, jax.ffi.pycapsule(library.BamCpuAttentionForward), platform="cpu"

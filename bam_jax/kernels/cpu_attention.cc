@@ -17,15 +17,33 @@
 // shift per row is raised only when a logit exceeds it by kSlack (see TileProbabilities);
 // any shift gives the same softmax, and the log-sum-exp is shift + log2(sum).
 //
+// q, k and v are float32 or bfloat16 (widened to float32 as they are copied into a tile).
+//
 // Tasks are split over threads by an atomic counter; each task is computed by one thread
-// in a fixed order, so results do not depend on the thread count.
+// in a fixed order, so results do not depend on the thread count. The threads are XLA's
+// own (the FFI thread pool) where the runtime offers them, else threads started for the
+// call; either way no more than the CPUs this process may use (affinity and cgroup quota,
+// read at every call), and the calling thread works too, so a pool that never runs the
+// scheduled helpers, or threads that cannot be started, only make the call slower.
+
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <fstream>
 #include <limits>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -56,6 +74,18 @@ inline IVec LoadInt(const int32_t* p) { return *reinterpret_cast<const IVecU*>(p
 // Element-wise initialisation, which compiles to one broadcast (`Vec{} + x` would add a zero).
 inline Vec Splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline IVec SplatInt(int32_t x) { return IVec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// bfloat16 is the upper half of a float32: widening is a 16-bit shift.
+typedef uint16_t HalfVecU __attribute__((vector_size(32), aligned(2)));
+inline Vec LoadBf16(const uint16_t* p) {
+  return (Vec)(__builtin_convertvector(*reinterpret_cast<const HalfVecU*>(p), IVec) << 16);
+}
+inline float Bf16ToFloat(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // 2 ** f for |f| <= 1/2: its degree-6 Taylor polynomial (remainder below 1.2e-7).
 inline Vec Exp2Fraction(Vec f) {
@@ -93,9 +123,10 @@ inline Vec Exp2(Vec x) {
 #endif
 
 struct Problem {
-  const float* q;            // [B, T, H, D]
-  const float* k;            // [B, S, K, D]
-  const float* v;            // [B, S, K, D]
+  const void* q;             // [B, T, H, D]
+  const void* k;             // [B, S, K, D]
+  const void* v;             // [B, S, K, D]
+  bool bf16;                 // q, k and v are bfloat16 (else float32)
   const float* table;        // [H, X]: the prior's magnitude over distances, reversed
   const float* head_params;  // [H, kHeadParams]: column 3 is SSMax's scale
   const float* log_n;        // [B, T]: SSMax's log n_i
@@ -109,6 +140,18 @@ struct Problem {
   float content_scale;
   int64_t padded_dim;  // head_dim rounded up to whole vectors
 };
+
+// Element `index` of q, k or v, as float32.
+inline float InputAt(const Problem& pr, const void* base, int64_t index) {
+  if (pr.bf16) return Bf16ToFloat(static_cast<const uint16_t*>(base)[index]);
+  return static_cast<const float*>(base)[index];
+}
+
+// Elements index .. index + 15 of q, k or v, as float32.
+inline Vec InputVecAt(const Problem& pr, const void* base, int64_t index) {
+  if (pr.bf16) return LoadBf16(static_cast<const uint16_t*>(base) + index);
+  return Load(static_cast<const float*>(base) + index);
+}
 
 constexpr int kHeadParams = 8;
 constexpr int kSsmaxColumn = 3;
@@ -141,10 +184,12 @@ struct Scratch {
   std::vector<int32_t> key_seg;
   std::vector<QueryBlock> blocks;
 
-  Scratch(int64_t dim, int64_t groups)
+  // For tasks of at most `blocks_per_task` query blocks (fewer than kBlocksPerTask when
+  // the queries are few).
+  Scratch(int64_t dim, int64_t groups, int64_t blocks_per_task)
       : keys(kBlockK * dim), values(kBlockK * dim), scores(kBlockK * kBlockQ), key_seg(kBlockK) {
-    blocks.reserve(kBlocksPerTask * groups);
-    for (int64_t n = 0; n < kBlocksPerTask * groups; ++n) blocks.emplace_back(dim);
+    blocks.reserve(blocks_per_task * groups);
+    for (int64_t n = 0; n < blocks_per_task * groups; ++n) blocks.emplace_back(dim);
   }
 };
 
@@ -379,8 +424,8 @@ void StartBlock(const Problem& pr, int64_t b, int64_t h, int64_t first_row, Quer
     query_pos[r] = static_cast<int32_t>(pr.offset + first_row + r);
     query_seg[r] = pr.segments ? pr.q_seg[b * pr.q_len + i] : 0;
     if (r >= qb.rows) continue;
-    const float* src = pr.q + ((b * pr.q_len + i) * pr.heads + h) * pr.head_dim;
-    for (int64_t d = 0; d < pr.head_dim; ++d) qb.q_t[d * kBlockQ + r] = src[d];
+    const int64_t src = ((b * pr.q_len + i) * pr.heads + h) * pr.head_dim;
+    for (int64_t d = 0; d < pr.head_dim; ++d) qb.q_t[d * kBlockQ + r] = InputAt(pr, pr.q, src + d);
   }
   for (int c = 0; c < kRowVecs; ++c) {
     qb.row_max.v[c] = Splat(kNegInf);
@@ -401,18 +446,17 @@ void LoadTile(const Problem& pr, int64_t b, int64_t kv_head, int64_t first, int6
   const int64_t padded = pr.padded_dim;
   const int64_t stride = pr.kv_heads * dim;
   const int64_t start = ((b * pr.kv_slots + first) * pr.kv_heads + kv_head) * dim;
-  const float* keys = pr.k + start;
-  const float* values = pr.v + start;
   for (int64_t j = 0; j < count; ++j) {
+    const int64_t row = start + j * stride;
     if (dim == padded) {
       for (int64_t d = 0; d < dim; d += kLanes) {
-        Store(s.keys.data() + j * dim + d, Load(keys + j * stride + d));
-        Store(s.values.data() + j * dim + d, Load(values + j * stride + d));
+        Store(s.keys.data() + j * dim + d, InputVecAt(pr, pr.k, row + d));
+        Store(s.values.data() + j * dim + d, InputVecAt(pr, pr.v, row + d));
       }
     } else {
       for (int64_t d = 0; d < dim; ++d) {
-        s.keys[j * dim + d] = keys[j * stride + d];
-        s.values[j * padded + d] = values[j * stride + d];
+        s.keys[j * dim + d] = InputAt(pr, pr.k, row + d);
+        s.values[j * padded + d] = InputAt(pr, pr.v, row + d);
       }
     }
     s.key_seg[j] = pr.segments ? pr.k_seg[b * pr.kv_slots + first + j] : 0;
@@ -465,45 +509,186 @@ void RunTask(const Problem& pr, int64_t b, int64_t kv_head, int64_t first_block,
   for (QueryBlock* qb : active) WriteRows(pr, b, *qb);
 }
 
-void RunAll(const Problem& pr, int64_t num_threads) {
-  const int64_t q_blocks = (pr.q_len + kBlockQ - 1) / kBlockQ;
-  const int64_t spans = (q_blocks + kBlocksPerTask - 1) / kBlocksPerTask;
-  const int64_t rows = pr.batch * pr.kv_heads;
-  const int64_t num_tasks = rows * spans;
-  std::atomic<int64_t> next{0};
-  auto worker = [&]() {
-    Scratch scratch(pr.padded_dim, pr.heads / pr.kv_heads);
-    for (int64_t n = next++; n < num_tasks; n = next++) {
-      // Latest query blocks (the most keys) first, so the threads finish together.
-      const int64_t span = spans - 1 - n / rows;
-      RunTask(pr, (n % rows) / pr.kv_heads, n % pr.kv_heads, span * kBlocksPerTask, scratch);
-    }
-  };
-  const int64_t extra = std::max<int64_t>(0, std::min(num_threads, num_tasks) - 1);
-  std::vector<std::thread> threads;
-  threads.reserve(extra);
-  for (int64_t n = 0; n < extra; ++n) threads.emplace_back(worker);
-  worker();
-  for (auto& thread : threads) thread.join();
+// CPUs the process's cgroups let it use (cgroup v2 cpu.max, v1 cpu.cfs_quota_us over
+// cpu.cfs_period_us), rounded up; 0 when no quota applies. Every level from the process's
+// cgroup up to the mount's root is read, and the smallest quota wins: inside a container the
+// listed path may not exist under the mount, whose root then holds the container's limit.
+int64_t QuotaCpus(int64_t quota, int64_t period) {
+  return quota > 0 && period > 0 ? (quota + period - 1) / period : 0;
 }
 
-ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+int64_t CgroupLevelCpus(const std::string& dir, bool v2) {
+  int64_t quota = 0, period = 0;
+  if (v2) {
+    std::ifstream file(dir + "/cpu.max");
+    std::string max;
+    if (!(file >> max >> period) || max == "max") return 0;
+    quota = std::atoll(max.c_str());
+  } else {
+    std::ifstream quota_file(dir + "/cpu.cfs_quota_us"), period_file(dir + "/cpu.cfs_period_us");
+    if (!(quota_file >> quota) || !(period_file >> period)) return 0;
+  }
+  return QuotaCpus(quota, period);
+}
+
+int64_t CgroupCpus() {
+  std::ifstream cgroups("/proc/self/cgroup");
+  std::string line;
+  int64_t limit = 0;
+  while (std::getline(cgroups, line)) {  // hierarchy:controllers:path
+    const size_t first = line.find(':');
+    const size_t second = first == std::string::npos ? first : line.find(':', first + 1);
+    if (second == std::string::npos) continue;
+    const std::string controllers = line.substr(first + 1, second - first - 1);
+    const bool v2 = controllers.empty();
+    if (!v2 && ("," + controllers + ",").find(",cpu,") == std::string::npos) continue;
+    const std::vector<std::string> mounts =
+        v2 ? std::vector<std::string>{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"}
+           : std::vector<std::string>{"/sys/fs/cgroup/" + controllers, "/sys/fs/cgroup/cpu"};
+    for (const std::string& mount : mounts) {
+      for (std::string path = line.substr(second + 1);; path.resize(path.rfind('/'))) {
+        const int64_t cpus = CgroupLevelCpus(mount + path, v2);
+        if (cpus > 0) limit = limit > 0 ? std::min(limit, cpus) : cpus;
+        if (path.find('/') == std::string::npos) break;
+      }
+    }
+  }
+  return limit;
+}
+
+// The CPUs this thread may run on (affinity), capped by the cgroup quota; read at every
+// call, so a changed affinity or quota applies at once.
+int64_t AllowedCpus() {
+  int64_t cpus = std::thread::hardware_concurrency();
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) cpus = CPU_COUNT(&set);
+  const int64_t quota = CgroupCpus();
+  if (quota > 0) cpus = std::min(cpus, quota);
+  return std::max<int64_t>(1, cpus);
+}
+
+// One call's tasks, shared by the threads that run them. Helpers hold it by shared_ptr: one
+// that starts after the call has returned finds no task left and touches nothing else.
+struct Work {
+  Problem pr;
+  int64_t num_tasks = 0, spans = 0, rows = 0, blocks_per_task = 0;
+  std::atomic<int64_t> next{0}, finished{0};
+  std::mutex mutex;
+  std::condition_variable all_finished;
+  std::exception_ptr error;  // the first failure of a task, under `mutex`
+};
+
+void RunTaskNumber(const Work& w, int64_t n, std::optional<Scratch>& scratch) {
+  const Problem& pr = w.pr;
+  if (!scratch) scratch.emplace(pr.padded_dim, pr.heads / pr.kv_heads, w.blocks_per_task);
+  // Latest query blocks (the most keys) first, so the threads finish together.
+  const int64_t span = w.spans - 1 - n / w.rows;
+  RunTask(pr, (n % w.rows) / pr.kv_heads, n % pr.kv_heads, span * kBlocksPerTask, *scratch);
+}
+
+// Runs tasks until none is left; buffers are allocated once a task is claimed. Nothing is
+// thrown: a failure is kept for the calling thread to report.
+void Drain(Work& w) noexcept {
+  std::optional<Scratch> scratch;
+  for (int64_t n = w.next++; n < w.num_tasks; n = w.next++) {
+    try {
+      RunTaskNumber(w, n, scratch);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(w.mutex);
+      if (!w.error) w.error = std::current_exception();
+    }
+    if (++w.finished == w.num_tasks) {
+      std::lock_guard<std::mutex> lock(w.mutex);
+      w.all_finished.notify_all();
+    }
+  }
+}
+
+// Up to `helpers` threads running Drain; fewer when the system refuses to start more
+// (process or memory limits), the calling thread doing their share.
+std::vector<std::thread> StartHelpers(const std::shared_ptr<Work>& work, int64_t helpers) {
+  std::vector<std::thread> threads;
+  threads.reserve(helpers);
+  for (int64_t n = 0; n < helpers; ++n) {
+    try {
+      threads.emplace_back([work] { Drain(*work); });
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
+  return threads;
+}
+
+// XLA's pool may run the helpers late, one at a time or on the calling thread itself (the
+// FFI API promises no parallelism), so the call never waits for a helper that has not
+// claimed a task.
+void ScheduleHelpers(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work, int64_t helpers) {
+  for (int64_t n = 0; n < helpers; ++n) {
+    try {
+      pool.Schedule([work] { Drain(*work); });
+    } catch (const std::bad_alloc&) {
+      break;
+    }
+  }
+}
+
+void RunAll(const Problem& pr, ffi::ThreadPool& pool) {
+  auto work = std::make_shared<Work>();
+  const int64_t q_blocks = (pr.q_len + kBlockQ - 1) / kBlockQ;
+  work->pr = pr;
+  work->blocks_per_task = std::min<int64_t>(kBlocksPerTask, q_blocks);
+  work->spans = (q_blocks + kBlocksPerTask - 1) / kBlocksPerTask;
+  work->rows = pr.batch * pr.kv_heads;
+  work->num_tasks = work->rows * work->spans;
+  const int64_t pool_threads = pool.num_threads();
+  int64_t helpers = std::min(AllowedCpus(), work->num_tasks) - 1;
+  std::vector<std::thread> threads;
+  if (pool_threads > 0) {
+    ScheduleHelpers(pool, work, std::min(helpers, pool_threads));
+  } else if (helpers > 0) {
+    threads = StartHelpers(work, helpers);
+  }
+  Drain(*work);
+  {
+    std::unique_lock<std::mutex> lock(work->mutex);
+    work->all_finished.wait(lock, [&] { return work->finished == work->num_tasks; });
+  }
+  for (std::thread& thread : threads) thread.join();
+  if (work->error) std::rethrow_exception(work->error);
+}
+
+bool SupportedInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v) {
+  const ffi::DataType type = q.element_type();
+  return (type == ffi::DataType::F32 || type == ffi::DataType::BF16) &&
+         k.element_type() == type && v.element_type() == type;
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> head_params,
                    ffi::Buffer<ffi::F32> log_n, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> k_seg, ffi::Buffer<ffi::S32> offset,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
                    int64_t causal, int64_t window, int64_t kv_len, int64_t has_prior,
                    int64_t ssmax, int64_t prior_inside, int64_t segments, int64_t table_q_len,
-                   int64_t num_threads, float content_scale) {
+                   float content_scale) {
   const auto q_dims = q.dimensions();
   const auto k_dims = k.dimensions();
   if (q_dims.size() != 4 || k_dims.size() != 4 || v.dimensions().size() != 4) {
     return ffi::Error::InvalidArgument("cpu attention: q, k and v must be rank 4");
   }
+  if (!SupportedInputs(q, k, v)) {
+    return ffi::Error::InvalidArgument(
+        "cpu attention: q, k and v must all be float32 or all bfloat16");
+  }
+  if (window > std::numeric_limits<int32_t>::max()) {
+    return ffi::Error::InvalidArgument(
+        "cpu attention: window must be below 2**31 (positions are int32); pass a smaller one");
+  }
   Problem pr{};
-  pr.q = q.typed_data();
-  pr.k = k.typed_data();
-  pr.v = v.typed_data();
+  pr.q = q.untyped_data();
+  pr.k = k.untyped_data();
+  pr.v = v.untyped_data();
+  pr.bf16 = q.element_type() == ffi::DataType::BF16;
   pr.table = table.typed_data();
   pr.head_params = head_params.typed_data();
   pr.log_n = log_n.typed_data();
@@ -535,17 +720,40 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   if (pr.prior && pr.table_len < pr.kv_slots + table_q_len - 1) {
     return ffi::Error::InvalidArgument("cpu attention: the prior table is too short");
   }
-  RunAll(pr, std::max<int64_t>(1, num_threads));
+  // Nothing may unwind into XLA: a failure (out of memory, say) becomes the call's error.
+  try {
+    RunAll(pr, pool);
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(std::string("cpu attention failed: ") + error.what());
+  } catch (...) {
+    return ffi::Error::Internal("cpu attention failed with an unknown exception");
+  }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
+// Whether this build uses AVX-512: bam_jax/kernels/cpu.py asks before choosing the kernel
+// over blockwise attention, which is faster than the portable vector code.
+extern "C" __attribute__((visibility("default"))) int BamCpuAttentionHasAvx512() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// The threads a call would use at most now (before capping by its number of tasks).
+extern "C" __attribute__((visibility("default"))) int64_t BamCpuAttentionThreads() {
+  return AllowedCpus();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BamCpuAttentionForward, Forward,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -562,5 +770,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BamCpuAttentionForward, Forward,
                                   .Attr<int64_t>("prior_inside")
                                   .Attr<int64_t>("segments")
                                   .Attr<int64_t>("table_q_len")
-                                  .Attr<int64_t>("num_threads")
                                   .Attr<float>("content_scale"));
