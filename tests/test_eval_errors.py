@@ -20,6 +20,7 @@ from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward
 from bam_jax.reference_checkpoint import export_reference_checkpoint
 from bam_jax.tokenizers import ByteTokenizer
+from tests.checkpoint_damage import shift_floats
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
@@ -196,6 +197,16 @@ def test_a_damaged_checkpoint_is_named(workdir, tmp_path, capsys, damaged) -> No
     assert f"model 'm={path}': checkpoint {path}/checkpoints/3 cannot be read (" in err
     assert "damaged or incomplete" in err
     assert (path / "checkpoints" / "3").is_dir()  # never removed
+
+
+def test_a_checkpoint_whose_values_changed_is_refused(workdir, tmp_path, capsys) -> None:
+    """Values that still decode, into finite numbers, differ from the saved checksums."""
+    path = _copy(workdir, tmp_path / "run")
+    shift_floats(str(path / "checkpoints" / "3"))
+    assert main(["prior", f"m={path}", "--out", str(tmp_path / "out")]) == 2
+    err = _error(capsys)
+    assert f"model 'm={path}': checkpoint {path}/checkpoints/3 cannot be read (" in err
+    assert "differs from the checksum saved with it" in err
 
 
 def test_a_damaged_checkpoint_prints_no_traceback(workdir, tmp_path) -> None:

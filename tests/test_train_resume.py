@@ -22,6 +22,7 @@ from bam_train.loop import train
 from bam_train.metrics import MetricsWriter
 from bam_train.state import ModelParts
 from tests.byte_runs import byte_text_config, write_word_corpus
+from tests.checkpoint_damage import rewrite_floats, shift_floats
 from tests.run_metrics import read_metrics, records_without_time
 
 STEPS = 4
@@ -71,6 +72,15 @@ def flip_array_bytes(step_dir: str) -> None:
     pathlib.Path(path).write_bytes(bytes(data))
 
 
+def flip_one_bit(step_dir: str) -> None:
+    """One bit in the middle of the largest array file: it still decodes, into other finite
+    values, which only the checkpoint's checksums reveal."""
+    path = largest_array_file(step_dir)
+    data = bytearray(pathlib.Path(path).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    pathlib.Path(path).write_bytes(bytes(data))
+
+
 def empty_metadata(step_dir: str) -> None:
     open(f"{step_dir}/state/_METADATA", "w").close()
 
@@ -81,23 +91,17 @@ def break_iterator_json(step_dir: str) -> None:
 
 def nan_values(step_dir: str) -> None:
     """Arrays that decode without error into NaN, as damage inside a value can."""
-    import orbax.checkpoint as ocp
-
-    checkpointer = ocp.StandardCheckpointer()
-    state = checkpointer.restore(f"{step_dir}/state")
-    state = jax.tree.map(lambda x: x * np.nan if np.issubdtype(x.dtype, np.floating) else x, state)
-    shutil.rmtree(f"{step_dir}/state")
-    checkpointer.save(f"{step_dir}/state", state)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
+    rewrite_floats(step_dir, lambda x: x * np.nan)
 
 
 DAMAGES = {
     "array_file_truncated": truncate_array_file,
     "array_bytes_flipped": flip_array_bytes,
+    "one_bit_flipped": flip_one_bit,
     "empty_metadata": empty_metadata,
     "broken_iterator_json": break_iterator_json,
     "nan_values": nan_values,
+    "other_finite_values": shift_floats,
 }
 
 
@@ -124,6 +128,17 @@ def test_resume_skips_a_damaged_checkpoint_and_keeps_it(base_run, workdir, corpu
         assert pathlib.Path(path.replace(step_dir, step_dir + ".broken")).read_bytes() == content
     for a, b in zip(params_of(workdir), params_of(base_run[0]), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_without_checksums_still_loads_and_resumes(base_run, workdir, corpus, capsys):
+    """Checkpoints written before checksums were kept are read unchecked."""
+    shutil.rmtree(os.path.join(workdir, "checkpoints", str(STEPS), "checksums"))
+    for a, b in zip(params_of(workdir), params_of(base_run[0]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    result = train(small_config(corpus, steps=STEPS + 1), workdir)
+    output = capsys.readouterr().out
+    assert f"resumed from step {STEPS}" in output and "cannot be read" not in output
+    assert result.step == STEPS + 1
 
 
 def test_no_restorable_checkpoint_is_an_error_that_moves_nothing(workdir, corpus):

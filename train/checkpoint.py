@@ -3,9 +3,10 @@ when complete), keeping the last `keep_last` plus every `keep_every`-th step, pl
 step known to be good (see `Checkpointer.mark_good`).
 
 Each checkpoint `WORKDIR/checkpoints/STEP/` holds (and `bam_jax.io.checkpoints` reads)
-  state/   the TrainState (step, params, consts, optimizer state), sharded arrays
-  data/    the grain iterator state, one JSON file per process
-  config/  the resolved TrainConfig as JSON
+  state/      the TrainState (step, params, consts, optimizer state), sharded arrays
+  data/       the grain iterator state, one JSON file per process
+  config/     the resolved TrainConfig as JSON
+  checksums/  a checksum of every array of state/ (JSON), checked when it is restored
 
 A checkpoint that cannot be used is never deleted: `Checkpointer.set_aside` renames it to
 `STEP.REASON` (orbax ignores names that are not a step number). A checkpoint is written in
@@ -39,7 +40,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bam_jax.io.checkpoints import checkpoint_dir, explained_read_errors, read_run_config
+from bam_jax.io.checkpoints import (
+    CHECKSUMS_ITEM,
+    array_checksums,
+    checkpoint_dir,
+    explained_read_errors,
+    read_checksums,
+    read_run_config,
+    verify_checksums,
+)
 from bam_jax.io.files import is_url
 from bam_train.config import TrainConfig
 from bam_train.state import TrainState
@@ -170,6 +179,7 @@ class Checkpointer:
             state=ocp.args.StandardSave(state),
             data=grain.checkpoint.CheckpointSave(IteratorSnapshot(data_state)),
             config=ocp.args.JsonSave(config),
+            **{CHECKSUMS_ITEM: ocp.args.JsonSave(array_checksums(state))},
         )
         self._saving_step = step
         self._state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
@@ -185,12 +195,15 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict]:
         """State (with the shardings of `abstract_state`, on any mesh) and the data iterator
         state (written by any number of processes); CheckpointReadError if they cannot be
-        read."""
+        read or the state differs from its saved checksums."""
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
         with explained_read_errors(self.step_dir(step)):
-            restored = self.manager.restore(step, args=args)
+            state = self.manager.restore(step, args=args)["state"]
+            checksums = read_checksums(self.manager, step, self.step_dir(step))
+            if checksums is not None:
+                verify_checksums(state, checksums)
             data_state = read_data_state(epath.Path(self.step_dir(step)) / "data")
-        return restored["state"], data_state
+        return state, data_state
 
     def mark_good(self, step: int) -> None:
         """The state saved at `step` gave a finite loss: keep it even past `keep_last` until a

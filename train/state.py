@@ -17,6 +17,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
 from bam_jax.config import ModelConfig
+from bam_jax.io.checkpoints import key_path_names
 from bam_jax.model import Transformer
 from bam_train.optim import variable_group
 from bam_train.sharding import named_sharding, replicated
@@ -88,9 +89,10 @@ class ModelParts:
 def _check_leaf_order(state: nnx.State) -> None:
     """`merge` pairs dict leaves with State leaves by position: both orders must agree."""
     pure_paths = [
-        _path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+        key_path_names(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
     ]
-    state_paths = [_path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    state_paths = [key_path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     if len(pure_paths) != len(state_paths) or any(
         s[: len(p)] != p for p, s in zip(pure_paths, state_paths, strict=False)
     ):
@@ -113,7 +115,7 @@ def state_shardings(
     params = _shardings(mesh, parts.logical_params, abstract_state.params)
     consts = _shardings(mesh, parts.logical_consts, abstract_state.consts)
     by_path = {
-        _path_names(path): (sharding, x.shape)
+        key_path_names(path): (sharding, x.shape)
         for (path, sharding), x in zip(
             jax.tree_util.tree_flatten_with_path(params)[0],
             jax.tree.leaves(abstract_state.params),
@@ -122,7 +124,7 @@ def state_shardings(
     }
 
     def follow_param(path, x) -> NamedSharding:
-        names = _path_names(path)
+        names = key_path_names(path)
         for i in range(len(names)):
             sharding, shape = by_path.get(names[i:], (None, None))
             if sharding is not None and shape == x.shape:
@@ -131,11 +133,6 @@ def state_shardings(
 
     opt_state = jax.tree_util.tree_map_with_path(follow_param, abstract_state.opt_state)
     return TrainState(step=replicated(mesh), params=params, consts=consts, opt_state=opt_state)
-
-
-def _path_names(path) -> tuple[str, ...]:
-    """The keys of a pytree path as strings (dict keys, attribute names, list indices)."""
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def init_state(

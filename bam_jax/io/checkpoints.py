@@ -6,18 +6,24 @@ training state: step, params, consts, optimizer state), a `data` item (the data 
 position) and a `config` item (the run config as JSON). `load_params` restores only the
 `params` and `consts` subtrees of `state`: no optimizer is built and its moments are never
 read, so any optimizer setting in the saved config is irrelevant here.
+
+Orbax keeps no checksum of the values, so a damaged file that still decodes would go
+unseen: a `checksums` item (JSON) holds one of every array of `state`, and reading checks
+the arrays it restores against it. Checkpoints written without it are read unchecked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
@@ -27,7 +33,11 @@ from bam_jax.io.files import run_path
 from bam_jax.model import Transformer
 
 CHECKPOINT_DIR = "checkpoints"
+CHECKSUMS_ITEM = "checksums"
+CHECKSUM_ALGORITHM = "u32-weighted-sums-v1"
 _MAX_REASON_CHARS = 300
+# Odd multipliers of the two position weights of `array_checksums`.
+_WEIGHT_MULTIPLIERS = (0x9E3779B1, 0x85EBCA6B)
 
 PyTree = Any
 
@@ -116,6 +126,86 @@ def read_run_config(workdir: str | os.PathLike, step: int | None = None) -> tupl
             return manager.restore(step, args=args)["config"], step
 
 
+class ChecksumMismatchError(ValueError):
+    """An array read from a checkpoint is not the array that was written."""
+
+
+def key_path_names(path: tuple) -> tuple[str, ...]:
+    """The keys of a pytree path as strings (dict keys, attribute names, list indices)."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def array_checksums(tree: PyTree) -> dict[str, Any]:
+    """The checksums item of `tree`: per array, by its path ("params/layers/0/..."), 16 hex
+    digits: two sums mod 2**32 of the array's bits (per 32-bit word) times odd weights that
+    depend on the position, so any one changed value changes both and a change of several
+    values goes unseen with odds of about 2**-64. Computed on the devices holding the
+    array, in integers, so the sharding never changes the result."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    sums = jax.device_get(_checksum_sums([leaf for _, leaf in flat]))
+    arrays = {
+        "/".join(key_path_names(path)): f"{int(a):08x}{int(b):08x}"
+        for (path, _), (a, b) in zip(flat, sums, strict=True)
+    }
+    return {"algorithm": CHECKSUM_ALGORITHM, "arrays": arrays}
+
+
+@jax.jit
+def _checksum_sums(leaves: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+    # Scalars only: a 0-d result is replicated, so every process can read it.
+    return [_weighted_sums(_as_words(x)) for x in leaves]
+
+
+def _as_words(x: jax.Array) -> jax.Array:
+    """The bits of `x` as uint32 words (a trailing axis for 64-bit values)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if x.dtype.itemsize < 4:
+        narrow = jnp.uint8 if x.dtype.itemsize == 1 else jnp.uint16
+        return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _weighted_sums(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    position = jnp.zeros(words.shape, jnp.uint32)
+    for axis in range(words.ndim):  # the flat index, without reshaping a sharded array
+        stride = math.prod(words.shape[axis + 1 :])
+        iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+        position = position + iota * jnp.uint32(stride % 2**32)
+    return tuple(
+        jnp.sum(words * (position * jnp.uint32(m) | jnp.uint32(1)), dtype=jnp.uint32)
+        for m in _WEIGHT_MULTIPLIERS
+    )
+
+
+def verify_checksums(tree: PyTree, saved: dict[str, Any]) -> None:
+    """ChecksumMismatchError naming the first array of `tree` whose checksum differs from
+    the one in the checksums item `saved` (arrays it does not list are not checked)."""
+    if saved.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise ChecksumMismatchError(
+            f"its checksums use {saved.get('algorithm')!r}, which this version cannot check"
+        )
+    expected = saved["arrays"]
+    for path, checksum in array_checksums(tree)["arrays"].items():
+        if path in expected and expected[path] != checksum:
+            raise ChecksumMismatchError(
+                f"{path} differs from the checksum saved with it (the file changed after it "
+                "was written)"
+            )
+
+
+def read_checksums(
+    manager: ocp.CheckpointManager, step: int, step_dir: str | os.PathLike
+) -> dict[str, Any] | None:
+    """The checksums item of checkpoint `step` in `step_dir`, None when it has none."""
+    if not (epath.Path(step_dir) / CHECKSUMS_ITEM).exists():
+        return None
+    args = ocp.args.Composite(**{CHECKSUMS_ITEM: ocp.args.JsonRestore()})
+    return manager.restore(step, args=args)[CHECKSUMS_ITEM]
+
+
 @dataclasses.dataclass(frozen=True)
 class SavedParams:
     """The parameters of one checkpoint and what they belong to.
@@ -163,11 +253,12 @@ def load_params(workdir: str | os.PathLike, step: int | None = None) -> SavedPar
         partial_restore=True,
     )
     args = ocp.args.Composite(state=restore)
-    with (
-        checkpoint_reader(workdir) as manager,
-        explained_read_errors(os.path.join(checkpoint_dir(workdir), str(step))),
-    ):
+    step_dir = os.path.join(checkpoint_dir(workdir), str(step))
+    with checkpoint_reader(workdir) as manager, explained_read_errors(step_dir):
         state = manager.restore(step, args=args)["state"]
+        checksums = read_checksums(manager, step, step_dir)
+        if checksums is not None:
+            verify_checksums(state, checksums)
     return SavedParams(config, step, state["params"], state["consts"], run_config)
 
 
