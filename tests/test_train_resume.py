@@ -23,7 +23,7 @@ from bam_train.metrics import MetricsWriter
 from bam_train.state import ModelParts
 from tests.byte_runs import byte_text_config, write_word_corpus
 from tests.checkpoint_damage import rewrite_floats, shift_floats
-from tests.run_metrics import read_metrics, records_without_time
+from tests.run_metrics import read_metrics, records_without_time, tensorboard_scalars
 
 STEPS = 4
 
@@ -193,6 +193,23 @@ def test_resume_drops_metrics_of_replayed_steps(workdir, corpus):
     steps = [r["step"] for r in read_metrics(workdir)]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert all(r["loss"] != 1.0 for r in read_metrics(workdir))
+
+
+def test_resume_shows_each_step_once_in_tensorboard(workdir, corpus):
+    """As above: TensorBoard events of steps 5 and 6 from the killed run; after the resume
+    TensorBoard shows every step once, with the values of the resumed run."""
+    from tensorboardX import SummaryWriter
+
+    killed = SummaryWriter(
+        os.path.join(workdir, "tensorboard"), filename_suffix=f".{time.time_ns()}"
+    )
+    for step in (5, 6):
+        killed.add_scalar("loss", 1.0, step)
+    killed.close()
+    train(small_config(corpus, steps=6), workdir)
+    losses = [(step, value) for tag, step, value in tensorboard_scalars(workdir) if tag == "loss"]
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 6]
+    assert all(value != 1.0 for _, value in losses)
 
 
 def test_a_deleted_metrics_file_is_written_again(tmp_path):

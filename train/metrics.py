@@ -5,8 +5,10 @@ utilisation where the device's peak is known. WORKDIR may be a URL (see
 `bam_jax.io.files.run_path`).
 
 A resumed run replays the steps after its checkpoint, so the records of those steps are
-dropped from `metrics.jsonl` when it starts; a `metrics.jsonl` deleted or replaced while the
-run writes is opened again."""
+dropped from `metrics.jsonl` when it starts, and its TensorBoard event file opens with a
+purge at the first replayed step (a SessionLog.START there, after which TensorBoard drops
+the earlier files' events of that step and later ones); a `metrics.jsonl` deleted or
+replaced while the run writes is opened again."""
 
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ class MetricsWriter:
         run = run_path(workdir)
         keep_records_up_to(run / METRICS_FILE, start_step)
         self._jsonl = _RewrittenLines(run) if is_url(run) else _LocalLines(run)
-        self._tb, notice = _tensorboard_writer(run / "tensorboard")
+        self._tb, notice = _tensorboard_writer(run / "tensorboard", first_step=start_step + 1)
         if progress_bar and sys.stderr.isatty():
             self._bar = tqdm.tqdm(
                 total=total_steps, initial=start_step, unit="step", dynamic_ncols=True
@@ -188,10 +190,11 @@ class _RewrittenLines:
         """Every record is already written."""
 
 
-def _tensorboard_writer(logdir: epath.Path) -> tuple[Any, str | None]:
-    """A TensorBoard writer for `logdir`, or None and a notice saying why there is none:
-    tensorboardX writes local directories, and gs:// or s3:// URLs when google-cloud-storage
-    or boto3 is installed."""
+def _tensorboard_writer(logdir: epath.Path, first_step: int) -> tuple[Any, str | None]:
+    """A TensorBoard writer for `logdir` whose events hide those of `first_step` and after
+    written before (by a run that went past its last checkpoint), or None and a notice
+    saying why there is none: tensorboardX writes local directories, and gs:// or s3:// URLs
+    when google-cloud-storage or boto3 is installed."""
     from tensorboardX import SummaryWriter, record_writer
 
     location = os.fspath(logdir)
@@ -205,7 +208,10 @@ def _tensorboard_writer(logdir: epath.Path) -> tuple[Any, str | None]:
                 f"metrics: no TensorBoard events under {location} (tensorboardX: {reason}); "
                 f"{METRICS_FILE} has every record"
             )
-    return SummaryWriter(location), None
+    # Event files are named after the second they open in and read in name order: the
+    # nanoseconds keep a restart within that second from writing over the last file.
+    suffix = f".{time.time_ns()}"
+    return SummaryWriter(location, purge_step=first_step, filename_suffix=suffix), None
 
 
 def _open_for_append(path: str) -> IO[str]:
