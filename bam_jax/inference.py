@@ -109,9 +109,12 @@ def _next_token_loss(
     targets_BxC: jax.Array,
 ) -> tuple[Any, jax.Array]:
     logits_BxCxV, cache = nnx.merge(graphdef, state)(tokens_BxC, cache=cache)
-    logp_BxCxV = jax.nn.log_softmax(logits_BxCxV.astype(jnp.float32), axis=-1)
+    logits_BxCxV = logits_BxCxV.astype(jnp.float32)
+    logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
     picked_BxC = jnp.take_along_axis(logp_BxCxV, targets_BxC[..., None], axis=-1)
-    return cache, -picked_BxC[..., 0]
+    # A -inf logit can leave the target's loss finite: NaN marks every such position.
+    finite_BxC = jnp.all(jnp.isfinite(logits_BxCxV), axis=-1)
+    return cache, jnp.where(finite_BxC, -picked_BxC[..., 0], jnp.nan)
 
 
 @dataclasses.dataclass
@@ -196,7 +199,8 @@ class ChunkedForward:
         return self.run(tokens_BxT, cache, positions_BxP)[0]
 
     def next_token_loss(self, tokens_BxT: np.ndarray) -> np.ndarray:
-        """Loss float32 [B, T - 1] of predicting token t + 1 from tokens 0..t."""
+        """Loss float32 [B, T - 1] of predicting token t + 1 from tokens 0..t; NaN where
+        the logits are not all finite."""
         tokens_BxT = np.asarray(tokens_BxT, np.int32)
         batch, length = tokens_BxT.shape
         chunks = self._padded_chunks(tokens_BxT)

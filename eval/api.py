@@ -7,6 +7,7 @@ over these functions.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward, capacity_bucket
 from bam_jax.model import Transformer
 from bam_jax.retrieval import DEFAULT_NEEDLES
+
+logger = logging.getLogger("bam.eval")
 
 # What the tables and figures read from each stored entry.
 PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")
@@ -158,6 +161,8 @@ def run_passkey(
             progress=progress,
             label=m.name,
         )
+        for entry in evaluation.results[m.name]:
+            _warn_of_non_finite_samples(m.name, entry)
         if out is not None and figures:
             evaluation.figures.append(
                 plots.depth_heatmap(
@@ -176,6 +181,35 @@ def run_passkey(
             )
         )
     return evaluation
+
+
+def _warn_of_non_finite_samples(name: str, entry: dict[str, Any]) -> None:
+    bad = sum(entry.get("non_finite", ()))
+    if bad:
+        logger.warning(
+            "warning: model %r: logits not finite for %d of %d samples at length %d; they "
+            "count as failures",
+            name,
+            bad,
+            len(entry["correct"]),
+            entry["target_length"],
+        )
+
+
+def _warn_of_non_finite_windows(name: str, entry: dict[str, Any]) -> None:
+    per_window = entry.get("non_finite_sequences", ())
+    bad = sum(1 for count in per_window if count)
+    if bad:
+        logger.warning(
+            "warning: model %r: logits not finite in %d of %d windows at --seq-len %d (in up "
+            "to %d of %d sequences); their perplexity is NaN",
+            name,
+            bad,
+            len(per_window),
+            entry["seq_len"],
+            max(per_window),
+            entry["n_sequences"],
+        )
 
 
 def task_label(task: str, needles: int) -> str:
@@ -308,6 +342,7 @@ def run_perplexity(
                 label=m.name,
             )
             store.put(settings, data, entry)
+        _warn_of_non_finite_windows(m.name, entry)
         evaluation.results[m.name] = entry
     if out is not None and figures:
         evaluation.figures.append(

@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -94,10 +94,20 @@ def stack_samples(samples: Sequence[PasskeySample]) -> tuple[np.ndarray, np.ndar
     return tokens_BxT, positions_BxP
 
 
+class SampleScores(NamedTuple):
+    """Per sample: whether every scored digit was predicted (never where the logits were
+    not finite), the predicted tokens [B, P], and whether its scored logits were finite."""
+
+    correct: list[bool]
+    predicted_BxP: np.ndarray
+    finite: list[bool]
+
+
 def score_samples(
     scorer: ChunkedForward, samples: Sequence[PasskeySample], batch_size: int | None = None
-) -> tuple[list[bool], np.ndarray]:
-    """Greedy teacher-forced predictions of each key's last digits; correct = all match.
+) -> SampleScores:
+    """Greedy teacher-forced predictions of each key's last digits; correct = all match
+    and the logits are finite.
 
     With ``batch_size`` larger than the batch, rows are repeated up to that size.
     """
@@ -110,8 +120,9 @@ def score_samples(
     logits_BxPxV = scorer.logits_at(tokens_BxT, positions_BxP)[: len(samples)]
     predicted_BxP = logits_BxPxV.argmax(-1)
     answers_BxP = np.stack([s.answer_tokens for s in samples])
-    correct = [bool(c) for c in (predicted_BxP == answers_BxP).all(-1)]
-    return correct, predicted_BxP
+    finite_B = np.isfinite(logits_BxPxV).all(axis=(1, 2))
+    correct_B = (predicted_BxP == answers_BxP).all(-1) & finite_B
+    return SampleScores([bool(c) for c in correct_B], predicted_BxP, [bool(f) for f in finite_B])
 
 
 def auto_batch_size(
@@ -131,8 +142,7 @@ def auto_batch_size(
 
 def _length_entry(
     samples: Sequence[PasskeySample],
-    correct: list[bool],
-    predicted_BxP: np.ndarray,
+    scores: SampleScores,
     tokenizer: TextEncoder,
     seconds: float,
     batch_size: int,
@@ -147,9 +157,10 @@ def _length_entry(
         "filler_before": [s.filler_before for s in samples],
         "depths": [s.filler_before / n_filler if n_filler else 0.0 for s in samples],
         "keys": [s.key for s in samples],
-        "predicted": [tokenizer.decode(row.tolist()) for row in predicted_BxP],
-        "correct": correct,
-        "accuracy": float(np.mean(correct)),
+        "predicted": [tokenizer.decode(row.tolist()) for row in scores.predicted_BxP],
+        "correct": scores.correct,
+        "non_finite": [not finite for finite in scores.finite],
+        "accuracy": float(np.mean(scores.correct)),
         "seconds_per_sample": seconds / len(samples),
         "batch_size": batch_size,
     }
@@ -287,15 +298,16 @@ def _run_length(
         batch_size = fitting_batch(len(samples), scorer.capacity_for(len(samples[0].tokens)))
     correct: list[bool] = []
     predicted: list[np.ndarray] = []
+    finite: list[bool] = []
     start = time.perf_counter()
     for i in range(0, len(samples), batch_size):
         batch = samples[i : i + batch_size]
-        batch_correct, batch_predicted = score_samples(scorer, batch, batch_size)
-        correct += batch_correct
-        predicted.append(batch_predicted)
+        scores = score_samples(scorer, batch, batch_size)
+        correct += scores.correct
+        predicted.append(scores.predicted_BxP)
+        finite += scores.finite
         bar.update(len(batch))
         bar.set_postfix(length=target_length, acc=f"{np.mean(correct):.0%}")
     seconds = time.perf_counter() - start
-    return _length_entry(
-        samples, correct, np.concatenate(predicted), tokenizer, seconds, batch_size, train_length
-    )
+    scores = SampleScores(correct, np.concatenate(predicted), finite)
+    return _length_entry(samples, scores, tokenizer, seconds, batch_size, train_length)

@@ -117,13 +117,16 @@ def evaluate_perplexity(
     progress: bool = True,
     label: str = "",
 ) -> dict[str, Any]:
-    """Mean next-token loss and perplexity per window of positions."""
+    """Mean next-token loss and perplexity per window of positions. A window where some
+    sequence's logits were not finite (its loss NaN) has NaN loss and perplexity;
+    `non_finite_sequences` counts those sequences per window."""
     seq_len = rows_BxT.shape[1] - 1
     if window < 1 or seq_len % window:
         raise ValueError(f"window must divide seq_len {seq_len}, got {window}")
     n_windows = seq_len // window
     loss_sum_W = np.zeros(n_windows)
     loss_sq_W = np.zeros(n_windows)
+    non_finite_W = np.zeros(n_windows, np.int64)
     start = time.perf_counter()
     bar = tqdm(
         total=len(rows_BxT),
@@ -135,6 +138,7 @@ def evaluate_perplexity(
         loss_BxWxT = loss_BxT.reshape(len(loss_BxT), n_windows, window)
         loss_sum_W += loss_BxWxT.mean(-1).sum(0)
         loss_sq_W += (loss_BxWxT**2).mean(-1).sum(0)
+        non_finite_W += (~np.isfinite(loss_BxWxT)).any(-1).sum(0)
         bar.update(len(loss_BxT))
     bar.close()
     mean_W = loss_sum_W / len(rows_BxT)
@@ -144,6 +148,7 @@ def evaluate_perplexity(
         "loss": mean_W.tolist(),
         "loss_std": std_W.tolist(),
         "perplexity": np.exp(mean_W).tolist(),
+        "non_finite_sequences": non_finite_W.tolist(),
         "n_sequences": len(rows_BxT),
         "seq_len": seq_len,
         "window": window,

@@ -100,11 +100,12 @@ def test_oracle_scores_all_and_constant_none() -> None:
     samples = samples_for_length(TOKENIZER, 900, settings)
     tokens_BxT, _ = stack_samples(samples)
     oracle = ChunkedForward(OracleModel(tokens_BxT), stub_cache, chunk_size=64)
-    correct, predicted = score_samples(oracle, samples)
-    assert correct == [True] * 4
-    assert [TOKENIZER.decode(p.tolist()) for p in predicted] == [str(s.key)[-5:] for s in samples]
+    scores = score_samples(oracle, samples)
+    assert scores.correct == [True] * 4 and scores.finite == [True] * 4
+    decoded = [TOKENIZER.decode(p.tolist()) for p in scores.predicted_BxP]
+    assert decoded == [str(s.key)[-5:] for s in samples]
     constant = ChunkedForward(ConstantModel(), stub_cache, chunk_size=64)
-    assert score_samples(constant, samples)[0] == [False] * 4
+    assert score_samples(constant, samples).correct == [False] * 4
 
 
 def test_one_wrong_digit_is_wrong() -> None:
@@ -112,7 +113,7 @@ def test_one_wrong_digit_is_wrong() -> None:
     tokens_BxT, _ = stack_samples(samples)
     tokens_BxT[0, samples[0].answer_positions[2]] = ord("x") + 3  # the oracle learns a typo
     scorer = ChunkedForward(OracleModel(tokens_BxT), stub_cache, chunk_size=32)
-    assert score_samples(scorer, samples)[0] == [False, True]
+    assert score_samples(scorer, samples).correct == [False, True]
 
 
 def test_sweep_reuses_stored_lengths(tmp_path) -> None:
