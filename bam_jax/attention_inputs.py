@@ -73,8 +73,14 @@ CHECKED_ARGUMENTS = (
 def checked_attention(implementation: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """`implementation` (query, key, value and the CHECKED_ARGUMENTS by keyword, optionally
     block_q/block_k) with its arguments checked first, and zeros of the query's shape
-    returned without running it when there are no queries or no keys."""
+    returned without running it when there are no queries or no keys.
+
+    Query, key and value wider than float32 (float64 under x64) are rounded to float32
+    before the implementation runs, and its output is returned in the query's dtype:
+    every implementation computes in float32 at most (docs/precision.md).
+    """
     signature = inspect.signature(implementation)
+    qkv_names = list(signature.parameters)[:3]
 
     @functools.wraps(implementation)
     def run(*args, **kwargs) -> jax.Array:
@@ -83,15 +89,24 @@ def checked_attention(implementation: Callable[..., jax.Array]) -> Callable[...,
         given = bound.arguments
         if "block_q" in given:
             check_block_sizes(given["block_q"], given["block_k"])
-        query, key, value = (given[name] for name in list(signature.parameters)[:3])
+        query, key, value = (given[name] for name in qkv_names)
         check_attention_inputs(
             query, key, value, **{name: given[name] for name in CHECKED_ARGUMENTS}
         )
         if has_no_queries_or_keys(query, key):
             return jnp.zeros(query.shape, query.dtype)
-        return implementation(*args, **kwargs)
+        for name in qkv_names:
+            given[name] = _at_most_float32(given[name])
+        return implementation(*bound.args, **bound.kwargs).astype(query.dtype)
 
     return run
+
+
+def _at_most_float32(x: jax.Array) -> jax.Array:
+    """x in float32 when its floating dtype is wider, else unchanged."""
+    if jnp.finfo(x.dtype).bits > 32:
+        return x.astype(jnp.float32)
+    return x
 
 
 def has_no_queries_or_keys(query_BxTxHxD: jax.Array, key_BxSxKxD: jax.Array) -> bool:

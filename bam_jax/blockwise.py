@@ -438,7 +438,8 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
             )
             if masked:
                 k_seg_tile = _slice_or_none(k_seg, k_start, bk)
-                mask = _tile_mask(static, q_pos, k_start + jnp.arange(bk), q_seg_tile, k_seg_tile)
+                k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
+                mask = _tile_mask(static, q_pos, k_pos, q_seg_tile, k_seg_tile)
                 logits = jnp.where(_expand_rows(static, mask, batch), logits, _NEG_INF)
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
@@ -471,7 +472,7 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
         lse = lax.dynamic_update_slice_in_dim(lse, lse_tile, q_start, axis=2)
         return out, lse
 
-    init = (jnp.zeros(q.shape, q.dtype), jnp.zeros((batch, num_heads, q_len)))
+    init = (jnp.zeros(q.shape, q.dtype), jnp.zeros((batch, num_heads, q_len), jnp.float32))
     return lax.fori_loop(0, num_q_blocks, query_block, init)
 
 
@@ -559,7 +560,7 @@ def _backward(static: _Static, residuals, d_out):
 
     init = (jnp.zeros(q.shape, jnp.float32), zeros(bias_table), zeros(scale))
     (dq, d_table, d_scale), (dk_blocks, dv_blocks) = lax.scan(
-        key_block, init, jnp.arange(num_k_blocks)
+        key_block, init, jnp.arange(num_k_blocks, dtype=jnp.int32)
     )
     dk, dv = (_key_blocks_to_bskd(x, k.shape) for x in (dk_blocks, dv_blocks))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_table, d_scale

@@ -202,12 +202,15 @@ def gpu_forward(
     def q_block(i):
         return num_q_blocks - 1 - i
 
+    def kv_head(h):
+        return lax.div(h, jnp.int32(groups))
+
     in_specs = [
         pl.BlockSpec((1,), lambda i, b, h: (0,)),
         pl.BlockSpec((None, NUM_HEAD_PARAMS), lambda i, b, h: (h, 0)),
         pl.BlockSpec((None, bq, None, d_pad), lambda i, b, h: (b, q_block(i), h, 0)),
-        pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
-        pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
+        pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, kv_head(h), 0)),
+        pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, kv_head(h), 0)),
     ]
     inputs = [offset, head_params_Hx8, q, k, v]
     if config.prior_table:

@@ -289,7 +289,7 @@ def _dkdv_call(config: KernelConfig, inputs: _KernelInputs) -> tuple[jax.Array, 
     bk, groups = config.block_k, config.groups
 
     def kv_head(h):
-        return lax.div(h, groups)
+        return lax.div(h, jnp.int32(groups))
 
     full_rows = pl.BlockSpec((None, q_pad, None, d_pad), lambda j, b, h: (b, 0, h, 0))
     key_block = pl.BlockSpec((None, bk, None, d_pad), lambda j, b, h: (b, j, kv_head(h), 0))
@@ -485,7 +485,7 @@ def _dq_call(config: KernelConfig, inputs: _KernelInputs) -> tuple[jax.Array, ja
 
     query_block = pl.BlockSpec((None, bq, None, d_pad), lambda i, b, h: (b, q_block(i), h, 0))
     all_keys = pl.BlockSpec(
-        (None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, lax.div(h, groups), 0)
+        (None, kv_pad, None, d_pad), lambda i, b, h: (b, 0, lax.div(h, jnp.int32(groups)), 0)
     )
     row_stats = pl.BlockSpec((None, None, bq, 1), lambda i, b, h: (b, h, q_block(i), 0))
     query_rows = pl.BlockSpec((None, bq, 1), lambda i, b, h: (b, q_block(i), 0))

@@ -134,7 +134,8 @@ def tpu_forward(
 
     def kv_block(b, h, i, j, offset_ref):
         start, stop = config.mask.key_blocks(offset_ref[0] + i * bq, bq, config.block_k)
-        return (b, lax.div(h, groups), jnp.clip(j, start, jnp.maximum(stop - 1, start)), 0)
+        kv_head = lax.div(h, jnp.int32(groups))
+        return (b, kv_head, jnp.clip(j, start, jnp.maximum(stop - 1, start)), 0)
 
     def k_seg_block(b, h, i, j, offset_ref):
         return (b, 0, kv_block(b, h, i, j, offset_ref)[2])
@@ -204,7 +205,7 @@ def _table_inputs(config: KernelConfig, table_HxX: jax.Array, kv_block):
         def index(b, h, i, j, offset_ref):
             j = kv_block(b, h, i, j, offset_ref)[2]
             first = config.padded_q_len - (i + 1) * bq + j * bk
-            return (h, 0, lax.div(first, granule) + part)
+            return (h, 0, lax.div(first, jnp.int32(granule)) + part)
 
         return pl.BlockSpec((None, 1, granule), index)
 
