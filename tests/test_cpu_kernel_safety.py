@@ -50,9 +50,8 @@ def private_kernel_cache(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture
-def fresh_registration(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Registration and the log-once memory as in a new process."""
-    monkeypatch.setattr(cpu, "_register", functools.cache(cpu._register.__wrapped__))
+def fresh_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice's switch and log-once memory as in a new process."""
     monkeypatch.setattr(cpu, "_logged", set())
     monkeypatch.setattr(cpu, "_failed_builds", {})
     monkeypatch.setattr(cpu, "_switch_override", None)
@@ -167,9 +166,11 @@ def test_an_unwritable_cache_leaves_evaluation_on_blockwise(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
-    fresh_registration: None,
+    fresh_choice: None,
 ) -> None:
     from bam_eval.models import inference_implementation
+
+    monkeypatch.setattr(cpu, "_register", functools.cache(cpu._register.__wrapped__))
 
     def read_only(self, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(self))
@@ -223,7 +224,7 @@ def test_a_failed_build_is_not_retried(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 def test_the_switch_turns_the_kernel_off_and_on(
-    monkeypatch: pytest.MonkeyPatch, fresh_registration: None
+    monkeypatch: pytest.MonkeyPatch, fresh_choice: None
 ) -> None:
     from bam_eval.models import inference_implementation
 
@@ -247,7 +248,7 @@ def test_the_switch_turns_the_kernel_off_and_on(
 
 
 def test_automatic_choice_needs_an_avx512_build(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_registration: None
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_choice: None
 ) -> None:
     from bam_eval.models import inference_implementation
 
@@ -352,3 +353,14 @@ def test_new_cache_directories_are_private(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setenv(cpu.CACHE_ENV, str(tmp_path / "a" / "cache"))
     library = cpu._build()
     assert stat.S_IMODE(library.parent.stat().st_mode) == 0o700
+
+
+def test_a_second_library_under_the_kernel_s_name_is_unavailable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cpu._register()
+    other = tmp_path / "cpu_attention-other.so"
+    shutil.copy2(cpu._build(), other)
+    monkeypatch.setattr(cpu, "_build", lambda: other)
+    with pytest.raises(cpu.CpuKernelUnavailable, match=r"registering .*other\.so with XLA"):
+        cpu._register.__wrapped__()

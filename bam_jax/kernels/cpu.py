@@ -111,7 +111,11 @@ def cpu_kernel_preferred() -> bool:
     if switch == "off":
         return False
     if switch == "auto" and not _cpu_may_have_avx512():
-        _log_once(logging.INFO, "this CPU has no AVX-512: blockwise attention is used")
+        _log_once(
+            logging.INFO,
+            f"this CPU has no AVX-512, where the CPU kernel is slower than blockwise "
+            f"attention: blockwise attention is used ({SWITCH_ENV}=on runs the kernel anyway)",
+        )
         return False
     try:
         library = _register()
@@ -244,7 +248,12 @@ def _register() -> ctypes.CDLL:
         raise CpuKernelUnavailable(
             f"loading the compiled CPU kernel {path} failed: {error} (delete it to rebuild)"
         ) from None
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(handler), platform="cpu")
+    try:
+        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(handler), platform="cpu")
+    except jax.errors.JaxRuntimeError as error:
+        raise CpuKernelUnavailable(
+            f"registering the compiled CPU kernel {path} with XLA failed: {error}"
+        ) from None
     return library
 
 
@@ -257,14 +266,13 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     flags = (*_FLAGS, *extra_flags, "-isystem", jax.ffi.include_dir())
     key = _build_key(compiler, flags)
     directory = _cache_dir()
-    failure = _failed_builds.get(f"{directory}\0{key}")
-    if failure is not None:
-        raise failure
+    path = directory / f"cpu_attention-{key}.so"
+    if str(path) in _failed_builds:
+        raise _failed_builds[str(path)]
     try:
         _make_private_directory(directory)
-        path = directory / f"cpu_attention-{key}.so"
         if not _intact(path):
-            _compile_into(compiler, flags, path, f"{directory}\0{key}")
+            _compile_into(compiler, flags, path)
     except OSError as error:
         raise CpuKernelUnavailable(
             f"the CPU kernel's cache directory {directory} cannot be used ({error}): set "
@@ -273,7 +281,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     return path
 
 
-def _compile_into(compiler: tuple[str, ...], flags: tuple[str, ...], path: Path, key: str):
+def _compile_into(compiler: tuple[str, ...], flags: tuple[str, ...], path: Path) -> None:
     _LOG.info("compiling the CPU attention kernel into %s (once per machine)", path)
     error = _compile(compiler, flags, path)
     if error is not None:
@@ -281,7 +289,7 @@ def _compile_into(compiler: tuple[str, ...], flags: tuple[str, ...], path: Path,
             f"compiling {SOURCE} with {shlex.join(compiler)} failed (fix the compiler or set "
             f"$CXX; implementation='blockwise' computes the same function):\n{error}"
         )
-        _failed_builds[key] = failure
+        _failed_builds[str(path)] = failure
         raise failure
 
 
@@ -342,7 +350,7 @@ def _intact(library: Path) -> bool:
         if not os.path.lexists(path):
             return False
         _check_private(path, path.lstat(), "file")
-    if digest.read_text().strip() == _sha256(library):
+    if digest.read_bytes().strip() == _sha256(library).encode():
         return True
     _LOG.info("%s does not match its recorded SHA-256 (%s): compiling it again", library, digest)
     return False
