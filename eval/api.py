@@ -85,9 +85,11 @@ def check_out_folder(out: str | None) -> None:
         raise ValueError(f"--out {out!r} is a file, expected a folder for the results")
 
 
-def _store(out: str | None, model: EvalModel, task: str, fields: Sequence[str] = ()) -> ResultStore:
+def _store(
+    out: str | None, model: EvalModel, task: str, fields: Sequence[str] = (), fresh: bool = False
+) -> ResultStore:
     path = None if out is None else os.path.join(out, model.name, f"{task}.json")
-    return ResultStore(path, model.info(), fields)
+    return ResultStore(path, model.info(), fields, fresh=fresh)
 
 
 def passkey_lengths(
@@ -117,12 +119,14 @@ def run_passkey(
     progress: bool = True,
     task: str = "passkey",
     needles: int = DEFAULT_NEEDLES,
+    fresh: bool = False,
 ) -> Evaluation:
     """Retrieval accuracy per length of each model: `results[name]` lists one entry per
     length. `task` is "passkey" or one of bam_jax.retrieval's other TASKS with `needles`
     keys, values or assignments. With `out`, results are kept in OUT/NAME/passkey.json
-    (lengths found there for the same settings are not run again) and, with `figures`,
-    accuracy and depth figures are drawn under OUT, named after the task."""
+    (lengths found there for the same settings are not run again; with `fresh` the file's
+    earlier results are dropped, replaced when the first new one is written) and, with
+    `figures`, accuracy and depth figures are drawn under OUT, named after the task."""
     if not lengths and not multiples:
         raise ValueError("give --lengths and/or --multiples")
     check_out_folder(out)
@@ -151,7 +155,7 @@ def run_passkey(
             text_encoder,
             model_lengths,
             settings,
-            _store(out, m, "passkey", PASSKEY_FIELDS),
+            _store(out, m, "passkey", PASSKEY_FIELDS, fresh),
             patience=patience,
             batch_size=inference.batch_size,
             cache_bytes_per_slot=cache_bytes_per_slot(config),
@@ -295,10 +299,12 @@ def run_perplexity(
     out: str | None = None,
     figures: bool = True,
     progress: bool = True,
+    fresh: bool = False,
 ) -> Evaluation:
     """Perplexity per window of positions of each model over the same rows of `data`:
     `results[name]` holds positions, loss and perplexity per window. With `out`, results
-    are kept in OUT/NAME/perplexity.json and, with `figures`, OUT/perplexity.png is drawn."""
+    are kept in OUT/NAME/perplexity.json (with `fresh`, without its earlier results) and,
+    with `figures`, OUT/perplexity.png is drawn."""
     check_perplexity_window(seq_len, window)
     check_out_folder(out)
     tokenizers = model_tokenizers(list(models), tokenizer)
@@ -330,7 +336,7 @@ def run_perplexity(
             "checkpoint": m.checkpoint,
             "dtype": inference.dtype,
         }
-        store = _store(out, m, "perplexity", PERPLEXITY_FIELDS)
+        store = _store(out, m, "perplexity", PERPLEXITY_FIELDS, fresh)
         entry = store.get(settings, data)
         if entry is None:
             entry = evaluate_perplexity(
@@ -382,17 +388,20 @@ def run_prior(
     max_distance: int | None = None,
     out: str | None = None,
     figures: bool = True,
+    fresh: bool = False,
 ) -> Evaluation:
     """The positional parameters of each model per layer and head: `results[name]` holds
     the full table, the rows shown in figures (`shown`), the prior curves up to
     `max_distance` (default 500x the training length) and the head classes. With `out`,
-    the table is kept in OUT/NAME/prior.json and, with `figures`, OUT/NAME/prior.png."""
+    the table is kept in OUT/NAME/prior.json (with `fresh`, without the tables of other
+    checkpoints) and, with `figures`, OUT/NAME/prior.png."""
     check_out_folder(out)
     evaluation = Evaluation({})
     for m in models:
         table = prior_table(m.model, m.config)
         curves = prior_curves(m.config, table, max_distance or 500 * m.train_length)
-        _store(out, m, "prior").put({"checkpoint": m.checkpoint}, "heads", {"table": table})
+        store = _store(out, m, "prior", fresh=fresh)
+        store.put({"checkpoint": m.checkpoint}, "heads", {"table": table})
         shown = figure_table(m.config, table)
         evaluation.results[m.name] = {
             "table": table,

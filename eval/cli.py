@@ -107,6 +107,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "tokenizer each RUN was trained with)",
     )
     parser.add_argument("--out", default="eval_results", help="results and figures folder")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start each model's results file anew, without its earlier runs (the old file "
+        "is replaced when the first new result is written)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument(
         "--quiet", action="store_true", help="no progress (bars on a terminal, else log lines)"
@@ -259,7 +265,7 @@ def _print_figures(figures: list[str]) -> None:
 
 def passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
     train_lengths = {m.name: m.train_length for m in models}
-    for sampling in args.sampling:
+    for i, sampling in enumerate(args.sampling):
         evaluation = api.run_passkey(
             models,
             lengths=args.lengths or (),
@@ -276,6 +282,8 @@ def passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
             progress=not args.quiet,
             task=args.task,
             needles=args.needles,
+            # One file holds every sampling's runs: only the first starts it anew.
+            fresh=args.fresh and i == 0,
         )
         name = "Passkey" if args.task == "passkey" else f"{args.task} ({args.needles} needles)"
         print(f"\n{name} accuracy (%), sampling {sampling}, {args.samples} samples per length")
@@ -300,6 +308,7 @@ def perplexity(args: argparse.Namespace, models: list[EvalModel]) -> int:
         out=args.out,
         figures=not args.no_plots,
         progress=not args.quiet,
+        fresh=args.fresh,
     )
     n_sequences = next(iter(evaluation.results.values()))["n_sequences"]
     print(f"\nPerplexity per window of {args.window} positions ({n_sequences} sequences)")
@@ -310,7 +319,11 @@ def perplexity(args: argparse.Namespace, models: list[EvalModel]) -> int:
 
 def prior(args: argparse.Namespace, models: list[EvalModel]) -> int:
     evaluation = api.run_prior(
-        models, max_distance=args.max_distance, out=args.out, figures=not args.no_plots
+        models,
+        max_distance=args.max_distance,
+        out=args.out,
+        figures=not args.no_plots,
+        fresh=args.fresh,
     )
     for m in models:
         result = evaluation.results[m.name]

@@ -5,7 +5,8 @@ A run's settings key names everything that changes the numbers (checkpoint step,
 sample count, seed, ...); entries are keyed by length (passkey) or by data source
 (perplexity). Files are rewritten atomically after each new entry, so an interrupted
 sweep keeps what it finished. A file that does not have this layout is refused, never
-overwritten: it may be someone's results.
+overwritten: it may be someone's results. A fresh store starts empty and leaves the file as
+it is until its first entry replaces it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class ResultStore:
     memory only).
 
     ``entry_fields``: keys every stored entry must have (checked when the file is read).
+    ``fresh``: start without the file's results (it is not read; the first entry written
+    replaces it, so a run that fails before any leaves it as it was).
     """
 
     def __init__(
@@ -35,10 +38,12 @@ class ResultStore:
         path: str | None,
         model_info: dict[str, Any] | None = None,
         entry_fields: Sequence[str] = (),
+        *,
+        fresh: bool = False,
     ):
         self.path = path
         self.data: dict[str, Any] = {"model": model_info or {}, "runs": {}}
-        if path is not None and os.path.lexists(path):
+        if path is not None and not fresh and os.path.lexists(path):
             self.data = _read_results(path, entry_fields)
             if model_info:
                 self.data["model"] = model_info

@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--multiples", default=DEFAULT_MULTIPLES, help="evaluation lengths")
     parser.add_argument("--samples", type=int, default=20, help="passkey samples per length")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start each model's passkey.json anew, without its earlier runs (training "
+        "still resumes the runs under OUT/runs)",
+    )
     return parser
 
 
@@ -111,9 +117,11 @@ def train_and_evaluate(
     preset_name: str = "quickstart",
     seeds: Sequence[int] = (0,),
     patience: int | None = None,
+    fresh: bool = False,
 ) -> int:
     """Train one run per encoding and seed (resuming finished ones), then evaluate them
-    together; with several seeds, also the mean and range over each encoding's seeds."""
+    together (with `fresh`, dropping the results files' earlier runs); with several seeds,
+    also the mean and range over each encoding's seeds."""
     runs, groups = [], {}
     for encoding in encodings:
         for seed in seeds:
@@ -139,6 +147,7 @@ def train_and_evaluate(
         patience=patience,
         out=out,
         figures=plots,
+        fresh=fresh,
     )
     print(f"\nPasskey accuracy (%), sampling equidistant, {samples} samples per length")
     print(api.passkey_table(evaluation.results, {m.name: m.train_length for m in models}))
@@ -180,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             preset_name=args.preset,
             seeds=args.seed,
             patience=args.patience,
+            fresh=args.fresh,
         )
     except ValueError as e:
         print(f"bam-quickstart: error: {e}", file=sys.stderr)
