@@ -1,8 +1,8 @@
 """Where the CPU kernel beats blockwise attention: its native build, other builds (by default
 one without AVX-512) and blockwise, timed in one run on one machine; prints a table.
 
-    python bench/cpu_kernel_choice.py
-    python bench/cpu_kernel_choice.py --builds "" "-mno-avx512f" "-march=znver3" --rounds 9
+    python bench/cpu_kernel_choice.py                 # the native build and -mno-avx512f
+    python bench/cpu_kernel_choice.py --extra-build=-mno-avx512f --extra-build=-march=znver3
 
 Batch 1, 8 heads, head dim 64, float32, the GGD prior and SSMax, a causal chunk at the end
 of 8192 cached keys: a 512-query prefill chunk and a single-query decode step. Each build
@@ -118,18 +118,18 @@ def load() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--builds",
-        nargs="+",
-        default=["", "-mno-avx512f"],
-        help='extra compiler flags per kernel build ("" = the usual -march=native build)',
+        "--extra-build",
+        action="append",
+        metavar="FLAGS",
+        help="another kernel build, with these flags after the usual ones (repeatable; "
+        "write --extra-build=-mno-avx512f); default: -mno-avx512f",
     )
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
+    builds = ["", *(args.extra_build or ["-mno-avx512f"])]
     load_before = load()
-    targets = {flags: build_target(flags, n) for n, flags in enumerate(args.builds)}
-    names = {None: "blockwise"} | {
-        flags: f"kernel, {flags or 'native build'}" for flags in args.builds
-    }
+    targets = {flags: build_target(flags, n) for n, flags in enumerate(builds)}
+    names = {None: "blockwise"} | {flags: f"kernel, {flags or 'native build'}" for flags in builds}
     calls = {
         (shape, variant): attention_call(queries, targets.get(variant))
         for shape, queries in SHAPES.items()
