@@ -267,7 +267,8 @@ class Checkpointer:
         if not is_url(self.directory):
             free = shutil.disk_usage(self.directory).free
             space += f", {readable_size(free)} free"
-            advice = f"free at least {readable_size(max(needed - free, 0))}"
+            if needed > free:
+                advice = f"free at least {readable_size(needed - free)}"
         resume = (
             f"the rerun resumes from step {complete[-1]}"
             if complete
