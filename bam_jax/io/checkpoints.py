@@ -34,10 +34,10 @@ from bam_jax.model import Transformer
 
 CHECKPOINT_DIR = "checkpoints"
 CHECKSUMS_ITEM = "checksums"
-CHECKSUM_ALGORITHM = "u32-weighted-sums-v1"
+CHECKSUM_ALGORITHM = "fmix32-sums-v1"
 _MAX_REASON_CHARS = 300
-# Odd multipliers of the two position weights of `array_checksums`.
-_WEIGHT_MULTIPLIERS = (0x9E3779B1, 0x85EBCA6B)
+# The seeds of the two sums of `array_checksums`.
+_CHECKSUM_SEEDS = (0x9E3779B9, 0x7F4A7C15)
 
 PyTree = Any
 
@@ -137,10 +137,12 @@ def key_path_names(path: tuple) -> tuple[str, ...]:
 
 def array_checksums(tree: PyTree) -> dict[str, Any]:
     """The checksums item of `tree`: per array, by its path ("params/layers/0/..."), 16 hex
-    digits: two sums mod 2**32 of the array's bits (per 32-bit word) times odd weights that
-    depend on the position, so any one changed value changes both and a change of several
-    values goes unseen with odds of about 2**-64. Computed on the devices holding the
-    array, in integers, so the sharding never changes the result."""
+    digits, two sums mod 2**32 over the array's 32-bit words of a hash of the word and its
+    position (MurmurHash3's finaliser, one seed per sum). The hash is a bijection of the
+    word, so one changed value always changes both sums, and every changed bit changes
+    about half the bits of its term, so changes of several values go unseen with odds of
+    about 2**-64. Computed on the devices holding the array, in integers, so the sharding
+    never changes the result."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     sums = jax.device_get(_checksum_sums([leaf for _, leaf in flat]))
     arrays = {
@@ -151,9 +153,9 @@ def array_checksums(tree: PyTree) -> dict[str, Any]:
 
 
 @jax.jit
-def _checksum_sums(leaves: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+def _checksum_sums(leaves: list[jax.Array]) -> list[tuple[jax.Array, ...]]:
     # Scalars only: a 0-d result is replicated, so every process can read it.
-    return [_weighted_sums(_as_words(x)) for x in leaves]
+    return [_hashed_sums(_as_words(x)) for x in leaves]
 
 
 def _as_words(x: jax.Array) -> jax.Array:
@@ -168,16 +170,26 @@ def _as_words(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.uint32)
 
 
-def _weighted_sums(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _hashed_sums(words: jax.Array) -> tuple[jax.Array, ...]:
     position = jnp.zeros(words.shape, jnp.uint32)
     for axis in range(words.ndim):  # the flat index, without reshaping a sharded array
         stride = math.prod(words.shape[axis + 1 :])
         iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
         position = position + iota * jnp.uint32(stride % 2**32)
     return tuple(
-        jnp.sum(words * (position * jnp.uint32(m) | jnp.uint32(1)), dtype=jnp.uint32)
-        for m in _WEIGHT_MULTIPLIERS
+        jnp.sum(_fmix32(words + _fmix32(position ^ jnp.uint32(seed))), dtype=jnp.uint32)
+        for seed in _CHECKSUM_SEEDS
     )
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 in which every input bit flips
+    about half the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
 
 
 def verify_checksums(tree: PyTree, saved: dict[str, Any]) -> None:
