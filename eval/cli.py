@@ -125,8 +125,9 @@ def _inference_options(parser: argparse.ArgumentParser) -> None:
         "--attention",
         choices=IMPLEMENTATION_CHOICES,
         default="auto",
-        help="attention implementation (default auto: the fused kernel on CPU where a C++ "
-        "compiler builds it, else blockwise; pallas on validated GPUs and TPUs)",
+        help="attention implementation (default auto: the fused kernel on CPU where its build "
+        "has AVX-512 and BAM_JAX_CPU_KERNEL does not turn it off, else blockwise; pallas on "
+        "validated GPUs and TPUs)",
     )
     parser.add_argument("--block-q", type=positive, default=None, help="attention query block")
     parser.add_argument("--block-k", type=positive, default=None, help="attention key block")
