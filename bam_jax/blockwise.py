@@ -507,7 +507,7 @@ def _backward(static: _Static, residuals, d_out):
         k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
 
         def query_block(qb, inner):
-            dk, dv, dq, d_table, d_scale = inner
+            dk, dv, dq, d_table, row_sums = inner
             q_start = qb * bq
             q_tile = _rows_tile(static, q, q_start, bq)
             do_tile = _rows_tile(static, d_out, q_start, bq)
@@ -537,8 +537,7 @@ def _backward(static: _Static, residuals, d_out):
 
             d_bias_t = ds_t
             if scale is not None:
-                d_factor = jnp.sum(ds_t * pre_scale, axis=1)
-                d_scale = d_scale + _ssmax_scale_grad(static, d_factor, log_n, q_start)
+                row_sums = _add_row_sums(static, row_sums, ds_t, p_t, pre_scale, q_start)
                 ds_t = ds_t * factor_row
                 if static.prior_inside:
                     d_bias_t = ds_t
@@ -550,19 +549,23 @@ def _backward(static: _Static, residuals, d_out):
             dq_tile = _rows_to_bthd(static, jnp.swapaxes(dq_tile_t, 1, 2), batch)
             dq_old = lax.dynamic_slice_in_dim(dq, q_start, bq, axis=1)
             dq = lax.dynamic_update_slice_in_dim(dq, dq_old + dq_tile, q_start, axis=1)
-            return dk, dv, dq, d_table, d_scale
+            return dk, dv, dq, d_table, row_sums
 
-        dq, d_table, d_scale = carry
+        dq, d_table, row_sums = carry
         lo, hi = static.mask.query_blocks(k_start, bk, offset, bq, num_q_blocks)
-        init = (zeros(k_tile), zeros(v_tile), dq, d_table, d_scale)
-        dk, dv, dq, d_table, d_scale = lax.fori_loop(lo, hi, query_block, init)
-        return (dq, d_table, d_scale), (dk, dv)
+        init = (zeros(k_tile), zeros(v_tile), dq, d_table, row_sums)
+        dk, dv, dq, d_table, row_sums = lax.fori_loop(lo, hi, query_block, init)
+        return (dq, d_table, row_sums), (dk, dv)
 
-    init = (jnp.zeros(q.shape, jnp.float32), zeros(bias_table), zeros(scale))
-    (dq, d_table, d_scale), (dk_blocks, dv_blocks) = lax.scan(
+    row_sums = None
+    if scale is not None:
+        row_sums = _RowSums(*(jnp.zeros(lse.shape, jnp.float32) for _ in _RowSums._fields))
+    init = (jnp.zeros(q.shape, jnp.float32), zeros(bias_table), row_sums)
+    (dq, d_table, row_sums), (dk_blocks, dv_blocks) = lax.scan(
         key_block, init, jnp.arange(num_k_blocks, dtype=jnp.int32)
     )
     dk, dv = (_key_blocks_to_bskd(x, k.shape) for x in (dk_blocks, dv_blocks))
+    d_scale = None if scale is None else _ssmax_scale_grad(static, row_sums, log_n)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_table, d_scale
 
 
@@ -600,11 +603,43 @@ def _query_rows(static: _Static, x_BxT: jax.Array, q_start, batch: int) -> jax.A
     return x.reshape(batch * static.kv_heads, -1)
 
 
-def _ssmax_scale_grad(static, d_factor_IxJ, log_n, q_start) -> jax.Array:
-    """d loss / d scale [K, G] from d loss / d factor of a tile's rows."""
-    log_n_BxM = lax.dynamic_slice_in_dim(log_n, q_start, static.block_q, axis=1)
-    d_factor = d_factor_IxJ.reshape(-1, static.kv_heads, static.groups, static.block_q)
-    return jnp.sum(d_factor * log_n_BxM[:, None, None, :], axis=(0, 3))
+class _RowSums(NamedTuple):
+    """Per-query sums over keys, [B, H, T], from which the backward takes d loss / d factor
+    (the SSMax factor s_h log n_i of query i): of dS * x, dS, P and P * x, with dS the
+    logits' gradient and x what the factor multiplies."""
+
+    d_logits_pre: jax.Array
+    d_logits: jax.Array
+    probs: jax.Array
+    probs_pre: jax.Array
+
+
+def _add_row_sums(static: _Static, sums: _RowSums, ds_t, p_t, pre_scale_t, q_start) -> _RowSums:
+    """sums plus the sums over one tile's keys ([I, N, J] tiles, keys as rows)."""
+    batch = ds_t.shape[0] // static.kv_heads
+
+    def add(total_BxHxT, tile_IxNxJ):
+        rows_BxHxM = jnp.sum(tile_IxNxJ, axis=1).reshape(batch, -1, static.block_q)
+        old = lax.dynamic_slice_in_dim(total_BxHxT, q_start, static.block_q, axis=2)
+        return lax.dynamic_update_slice_in_dim(total_BxHxT, old + rows_BxHxM, q_start, axis=2)
+
+    tiles = (ds_t * pre_scale_t, ds_t, p_t, p_t * pre_scale_t)
+    return _RowSums(*(add(total, tile) for total, tile in zip(sums, tiles, strict=True)))
+
+
+def _ssmax_scale_grad(static: _Static, sums: _RowSums, log_n_BxT: jax.Array) -> jax.Array:
+    """d loss / d scale [K, G] = sum_i log(n_i) d_i, d_i = sum_j dS_ij (x_ij - c_i) with
+    c_i = E_P[x_i] = sum_j P_ij x_ij / sum_j P_ij.
+
+    c_i changes nothing exactly (a softmax's gradient sums to zero over the keys), but
+    under sharp attention x at the attended key is as large as the logits while d_i is
+    small: the rounding of dS there (of dP, of delta = rowsum(dO * O), of a log-sum-exp
+    from another forward) would be multiplied by |x|; centred on E_P[x], by about zero.
+    """
+    mean_pre = sums.probs_pre / jnp.where(sums.probs > 0, sums.probs, 1.0)
+    d_factor_BxHxT = sums.d_logits_pre - sums.d_logits * mean_pre
+    d_scale_H = jnp.sum(d_factor_BxHxT * log_n_BxT[:, None, :], axis=(0, 2))
+    return d_scale_H.reshape(static.kv_heads, static.groups)
 
 
 def _combine_transposed(static: _Static, scores_t, bias_t, factor_row):

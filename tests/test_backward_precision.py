@@ -1,0 +1,195 @@
+"""Gradients of the SSMax scales and the GGD prior's parameters under sharp attention,
+against a float64 oracle.
+
+Logits 30 times the unit scale (queries drawn with standard deviation 30), SSMax's factor
+log(n) of up to 7 on top and about 1,500 keys make attention nearly one-hot: the SSMax
+gradient of a query, sum_j dS_ij x_ij, is then a small difference of terms as large as the
+logits. Blockwise attention and the fused CPU kernel (its forward, the blockwise backward)
+must keep these gradients within GRAD_RTOL of float64, as the float32 reference does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bam_jax.attention import dot_product_attention
+from bam_jax.kernels import cpu
+from bam_jax.priors import GGD_EPS, GGDPrior
+from tests.test_x64 import x64_mode
+
+GRAD_RTOL = 1e-3
+# A head whose gradient is below this fraction of the largest head's is held to that
+# fraction instead: float32 logits cannot resolve it to 1e-3 of its own size.
+GRAD_FLOOR = 0.1
+VALUE_TOL = 2e-4
+QKV_GRAD_TOL = 5e-4  # of the largest gradient entry
+HAS_COMPILER = any(shutil.which(name) for name in cpu.COMPILERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharpCase:
+    seed: int
+    betas: tuple[float, ...]
+    alphas: tuple[float, ...]
+    theta_mus: tuple[float, ...]
+    prior_inside: bool = True
+    q_len: int = 1500  # not a multiple of any block
+    kv_heads: int | None = None  # None: one per query head
+    documents: bool = False
+    head_dim: int = 32
+    logit_scale: float = 30.0
+
+    @property
+    def heads(self) -> int:
+        return len(self.betas)
+
+
+CASES = {
+    "prior_inside": SharpCase(seed=4, betas=(0.5, 0.8), alphas=(-2.0, -1.0), theta_mus=(0.1, 0.3)),
+    "negative_shapes_inside": SharpCase(
+        seed=5, betas=(-0.5, -1.5), alphas=(-1.0, 0.5), theta_mus=(0.2, 0.5)
+    ),
+    "negative_shapes_outside": SharpCase(
+        seed=8, betas=(-0.5, -1.5), alphas=(-1.0, 0.5), theta_mus=(0.2, 0.5), prior_inside=False
+    ),
+    "documents_grouped_heads_inside": SharpCase(
+        seed=6,
+        betas=(0.7, 0.3, -0.4, 1.2),
+        alphas=(-2.0, -1.0, -0.5, -3.0),
+        theta_mus=(0.3, 0.4, 0.1, 0.2),
+        q_len=1300,
+        kv_heads=2,
+        documents=True,
+    ),
+    "documents_grouped_heads_outside": SharpCase(
+        seed=6,
+        betas=(0.7, 0.3, -0.4, 1.2),
+        alphas=(-2.0, -1.0, -0.5, -3.0),
+        theta_mus=(0.3, 0.4, 0.1, 0.2),
+        prior_inside=False,
+        q_len=1300,
+        kv_heads=2,
+        documents=True,
+    ),
+}
+PRIMALS = ("q", "k", "v", "theta_alpha", "theta_beta", "theta_mu", "ssmax_scale")
+
+
+def make_inputs(case: SharpCase) -> tuple[dict[str, np.ndarray], np.ndarray | None, np.ndarray]:
+    """float64 primals, document ids (or None) and the output's cotangent."""
+    rng = np.random.default_rng(case.seed)
+    kv_heads = case.kv_heads or case.heads
+    shape_q = (1, case.q_len, case.heads, case.head_dim)
+    shape_kv = (1, case.q_len, kv_heads, case.head_dim)
+    primals = {
+        "q": rng.normal(size=shape_q) * case.logit_scale,
+        "k": rng.normal(size=shape_kv),
+        "v": rng.normal(size=shape_kv),
+    }
+    cotangent = rng.normal(size=shape_q)
+    primals |= {
+        "theta_alpha": np.asarray(case.alphas),
+        "theta_beta": np.asarray(case.betas),
+        "theta_mu": np.asarray(case.theta_mus),
+        "ssmax_scale": rng.uniform(0.8, 1.2, case.heads),
+    }
+    documents = None
+    if case.documents:
+        documents = np.sort(rng.integers(0, 3, size=(1, case.q_len)), axis=1)
+    return primals, documents, cotangent
+
+
+def float64_attention(
+    case: SharpCase, documents: np.ndarray | None, q, k, v, alpha, beta, theta_mu, scale
+):
+    """The attention of docs/spec.md in float64 (x64 mode), every [T, S] array materialised."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+    scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    positions = jnp.arange(q.shape[1])
+    distance = (positions[None, :] - positions[:, None]).astype(jnp.float64)
+    gap = jnp.abs(distance[None] - (jnp.exp(theta_mu) - jnp.exp(-theta_mu))[:, None, None])
+    bias = -jnp.exp(alpha)[:, None, None] * (gap + GGD_EPS) ** beta[:, None, None]
+    visible = positions[None, :] <= positions[:, None]
+    if documents is not None:
+        visible = visible & (documents[0][:, None] == documents[0][None, :])
+    log_n = jnp.log(visible.sum(-1).astype(jnp.float64))[None, None, :, None]
+    factor = scale[None, :, None, None] * log_n
+    inside = (scores + bias[None]) * factor
+    logits = inside if case.prior_inside else scores * factor + bias[None]
+    probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)
+
+
+def float64_values_and_gradients(case: SharpCase):
+    primals, documents, cotangent = make_inputs(case)
+    with x64_mode():
+        run = jax.jit(lambda *p: float64_attention(case, documents, *p))
+        args = [jnp.asarray(primals[name], jnp.float64) for name in PRIMALS]
+        out = run(*args)
+        grads = jax.grad(lambda *p: jnp.sum(run(*p) * cotangent), argnums=range(7))(*args)
+        return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def float32_values_and_gradients(case: SharpCase, implementation: str):
+    primals, documents, cotangent = make_inputs(case)
+    segments = {}
+    if documents is not None:
+        ids = jnp.asarray(documents, jnp.int32)
+        segments = {"query_segment_ids_BxT": ids, "key_segment_ids_BxS": ids}
+
+    @jax.jit
+    def run(q, k, v, alpha, beta, theta_mu, scale):
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            prior=GGDPrior(alpha, beta, theta_mu),
+            ssmax_scale_H=scale,
+            ssmax_prior_inside=case.prior_inside,
+            implementation=implementation,
+            **segments,
+        )
+
+    args = [jnp.asarray(primals[name], jnp.float32) for name in PRIMALS]
+    loss = lambda *p: jnp.sum(run(*p) * jnp.asarray(cotangent, jnp.float32))
+    grads = jax.jit(jax.grad(loss, argnums=range(7)))(*args)
+    return np.asarray(run(*args)), [np.asarray(g) for g in grads]
+
+
+def assert_head_gradients_close(name: str, got: np.ndarray, want: np.ndarray) -> None:
+    allowed = GRAD_RTOL * np.maximum(np.abs(want), GRAD_FLOOR * np.max(np.abs(want)))
+    error = np.abs(got - want)
+    assert np.all(error <= allowed), (
+        f"{name}: float32 {got}, float64 {want}, relative error {error / np.abs(want)}"
+    )
+
+
+def check_against_float64(case: SharpCase, implementation: str) -> None:
+    want_out, want_grads = float64_values_and_gradients(case)
+    out, grads = float32_values_and_gradients(case, implementation)
+    np.testing.assert_allclose(out, want_out, atol=VALUE_TOL, rtol=VALUE_TOL)
+    for name, got, want in zip(PRIMALS[3:], grads[3:], want_grads[3:], strict=True):
+        assert_head_gradients_close(name, got, want)
+    for name, got, want in zip(PRIMALS[:3], grads[:3], want_grads[:3], strict=True):
+        np.testing.assert_allclose(
+            got, want, atol=QKV_GRAD_TOL * np.max(np.abs(want)), err_msg=name
+        )
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_blockwise_gradients_match_float64(name: str) -> None:
+    check_against_float64(CASES[name], "blockwise")
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="the CPU kernel needs a C++ compiler")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_cpu_kernel_gradients_match_float64(name: str) -> None:
+    check_against_float64(CASES[name], "pallas")
