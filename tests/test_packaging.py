@@ -292,4 +292,5 @@ def test_ci_also_runs_the_suite_on_the_newest_python_and_packages():
     upgrade = [line for line in lines if "install" in line and "--upgrade -e '.[test]'" in line]
     assert upgrade, ".ci/run does not install the newest releases in the second stack"
     assert lines.count("pytest") >= 1 and lines.index("pytest") > lines.index(upgrade[0])
-    assert any(line.startswith("for name in python3.14 python3.13") for line in lines)
+    assert '"$newest" -m venv .venv-newest' in lines
+    assert any("/versions/*/bin/python3" in line for line in lines), "pyenv's Pythons not searched"
