@@ -4,13 +4,15 @@ against a float64 oracle.
 Logits 30 times the unit scale (queries drawn with standard deviation 30), SSMax's factor
 log(n) of up to 7 on top and about 1,500 keys make attention nearly one-hot: the SSMax
 gradient of a query, sum_j dS_ij x_ij, is then a small difference of terms as large as the
-logits. Blockwise attention and the fused CPU kernel (its forward, the blockwise backward)
-must keep these gradients within GRAD_RTOL of float64, as the float32 reference does.
+logits. Blockwise attention, the fused CPU kernel (its forward, the blockwise backward) and
+the fused GPU kernels (forward and backward, in Pallas interpret mode) must keep these
+gradients within GRAD_RTOL of float64, as the float32 reference does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import shutil
 
@@ -21,6 +23,7 @@ import pytest
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.kernels import cpu
+from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import GGD_EPS, GGDPrior
 from tests.test_x64 import x64_mode
 
@@ -79,7 +82,20 @@ CASES = {
         documents=True,
     ),
 }
+# Shorter, for Pallas interpret mode; the fused GPU backward's SSMax gradient was 3e-3 to
+# 9e-3 off float64 on both before it centred each query's sum.
+GPU_INTERPRET_CASES = {
+    name: dataclasses.replace(CASES[name], q_len=1000)
+    for name in ("prior_inside", "documents_grouped_heads_inside")
+}
 PRIMALS = ("q", "k", "v", "theta_alpha", "theta_beta", "theta_mu", "ssmax_scale")
+IMPLEMENTATIONS = {
+    "blockwise": functools.partial(dot_product_attention, implementation="blockwise"),
+    "pallas": functools.partial(dot_product_attention, implementation="pallas"),
+    "gpu_interpret": functools.partial(
+        pallas_attention, backend="gpu", interpret=True, backward="fused"
+    ),
+}
 
 
 def make_inputs(case: SharpCase) -> tuple[dict[str, np.ndarray], np.ndarray | None, np.ndarray]:
@@ -147,14 +163,13 @@ def float32_values_and_gradients(case: SharpCase, implementation: str):
 
     @jax.jit
     def run(q, k, v, alpha, beta, theta_mu, scale):
-        return dot_product_attention(
+        return IMPLEMENTATIONS[implementation](
             q,
             k,
             v,
             prior=GGDPrior(alpha, beta, theta_mu),
             ssmax_scale_H=scale,
             ssmax_prior_inside=case.prior_inside,
-            implementation=implementation,
             **segments,
         )
 
@@ -193,3 +208,29 @@ def test_blockwise_gradients_match_float64(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fused_cpu_kernel_gradients_match_float64(name: str) -> None:
     check_against_float64(CASES[name], "pallas")
+
+
+@pytest.mark.parametrize("name", sorted(GPU_INTERPRET_CASES))
+def test_fused_gpu_backward_gradients_match_float64(name: str) -> None:
+    check_against_float64(GPU_INTERPRET_CASES[name], "gpu_interpret")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="theta_mu of the second head is 1.7e-3 off float64 (its SSMax scale's "
+                "gradient within 1e-4); centring that sum on E_P does not change it",
+            ),
+        )
+        if name == "prior_inside"
+        else name
+        for name in sorted(CASES)
+    ],
+)
+def test_fused_gpu_backward_gradients_match_float64_full_length(name: str) -> None:
+    check_against_float64(CASES[name], "gpu_interpret")

@@ -9,7 +9,8 @@ formed by the forward's tile math (`tile_logits_log2`) so that they match it:
 - dQ: grid (query blocks, batch, heads); each program holds its query block and loops over
   the key blocks it sees (`AttentionMask.key_blocks`). It also writes the gradient of the
   per-head parameters (`head_param_columns`: coef, beta, mu, SSMax scale) as one partial
-  sum per program, [query blocks, B, H, NUM_HEAD_PARAMS], summed outside.
+  sum per program, [query blocks, B, H, NUM_HEAD_PARAMS], summed outside. The SSMax
+  scale's is combined per query from row sums centred on E_P[x] (`_factor_gradient`).
 
 Nothing is accumulated across programs in place, so the result is deterministic.
 Conventions are those of `bam_jax.blockwise._backward`: a row that sees one key has
@@ -328,12 +329,22 @@ def _dkdv_call(config: KernelConfig, inputs: _KernelInputs) -> tuple[jax.Array, 
 
 
 class _ParamSums(NamedTuple):
-    """Per-row sums over keys feeding the per-head parameter gradients, each [M, 1]."""
+    """Per-row sums over keys feeding the prior parameters' gradients, each [M, 1]."""
 
     prior_coef: jax.Array  # GGD: sum g * unit; ALiBi: sum g * |d|
     prior_log: jax.Array  # GGD: sum g * unit * log2(gap)
     prior_mu: jax.Array  # GGD: sum g * unit / gap * sign(d - mu)
-    factor_bias: jax.Array  # SSMax inside the prior: sum ds * bias
+
+
+class _FactorSums(NamedTuple):
+    """Per-row sums over keys from which the SSMax factor's gradient is taken, each [M, 1]:
+    of dS * x, dS, P and P * x, with dS the natural-log logits' gradient and x what the
+    factor s_h log(n_i) multiplies (the scores, plus the prior when it is inside)."""
+
+    ds_x: jax.Array
+    ds: jax.Array
+    probs: jax.Array
+    probs_x: jax.Array
 
 
 def _ggd_sums(
@@ -374,27 +385,50 @@ def _param_sums(
     factor_Mx1,
     relative_start,
 ) -> _ParamSums:
-    """This tile's contribution to the parameter sums."""
+    """This tile's contribution to the prior parameters' sums."""
     zeros = jnp.zeros((tile.ds_MxN.shape[0], 1), jnp.float32)
     inside = factor_Mx1 is not None and config.prior_inside
     d_bias = tile.ds_MxN * factor_Mx1 if inside else tile.ds_MxN
     if config.prior_kind == "ggd":
-        coef_sum, log_sum, mu_sum = _ggd_sums(
-            math_ops, head, tile.ggd_unit_MxN, d_bias, relative_start
-        )
-        bias_sum = zeros
-        if inside:
-            bias_sum = -head.coef * jnp.sum(tile.ds_MxN * tile.ggd_unit_MxN, axis=1, keepdims=True)
-        return _ParamSums(coef_sum, log_sum, mu_sum, bias_sum)
+        return _ParamSums(*_ggd_sums(math_ops, head, tile.ggd_unit_MxN, d_bias, relative_start))
     if config.prior_kind == "alibi":
         abs_distance = jnp.abs(_distance(relative_start, tile.ds_MxN.shape))
-        coef_sum = jnp.sum(d_bias * abs_distance, axis=1, keepdims=True)
-        if inside:
-            bias_sum = -head.coef * jnp.sum(tile.ds_MxN * abs_distance, axis=1, keepdims=True)
-        else:
-            bias_sum = zeros
-        return _ParamSums(coef_sum, zeros, zeros, bias_sum)
-    return _ParamSums(zeros, zeros, zeros, zeros)
+        return _ParamSums(jnp.sum(d_bias * abs_distance, axis=1, keepdims=True), zeros, zeros)
+    return _ParamSums(zeros, zeros, zeros)
+
+
+def _factor_input(
+    config: KernelConfig, head: HeadScalars, q_MxD, k_NxD, tile: _Tile, relative_start
+) -> jax.Array:
+    """x, what the SSMax factor multiplies, over one tile, float32 [M, N]."""
+    # The same product as the logits' (`tile_logits_log2`), which the compiler can share.
+    scores = lax.dot_general(q_MxD, k_NxD, _NT, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(1.0 / math.sqrt(config.head_dim))
+    if not config.prior_inside or config.prior_kind == "none":
+        return scores
+    if config.prior_kind == "ggd":
+        return scores - head.coef * tile.ggd_unit_MxN
+    return scores - head.coef * jnp.abs(_distance(relative_start, scores.shape))
+
+
+def _factor_sums(tile: _Tile, x_MxN) -> _FactorSums:
+    """This tile's contribution to the SSMax factor's sums."""
+    ds, probs = tile.ds_MxN, tile.probs_MxN
+    return _FactorSums(
+        *(jnp.sum(y, axis=1, keepdims=True) for y in (ds * x_MxN, ds, probs, probs * x_MxN))
+    )
+
+
+def _factor_gradient(sums: _FactorSums) -> jax.Array:
+    """d loss / d factor [M, 1] = sum_j dS_ij (x_ij - c_i) with c_i = E_P[x_i].
+
+    c_i changes nothing exactly (dS sums to zero over the keys), but under sharp attention
+    x at the attended key is as large as the logits while the sum is small: the rounding of
+    dS there (of dP, delta and the log-sum-exp) would be multiplied by |x|; centred on
+    E_P[x], by about zero.
+    """
+    mean_x = sums.probs_x / jnp.where(sums.probs > 0, sums.probs, 1.0)
+    return sums.ds_x - sums.ds * mean_x
 
 
 def _param_gradients(
@@ -432,7 +466,7 @@ def _dq_kernel(config: KernelConfig, *refs):
     k_seg_ref = named.get("k_seg")
 
     def body(k_block, carry, *, masked: bool):
-        acc_MxD, sums = carry
+        acc_MxD, sums, factor_sums = carry
         k_start = pl.multiple_of(k_block * bk, bk)
         keys = pl.ds(k_start, bk)
         k_NxD = named["k"][keys, :]
@@ -454,23 +488,28 @@ def _dq_kernel(config: KernelConfig, *refs):
         acc_MxD = acc_MxD + lax.dot_general(
             tile.ds_MxN.astype(k_NxD.dtype), k_NxD, _NN, preferred_element_type=jnp.float32
         )
-        new = _param_sums(config, math_ops, head, tile, factor, k_start - q_start)
-        return acc_MxD, jax.tree.map(jnp.add, sums, new)
+        sums = jax.tree.map(
+            jnp.add, sums, _param_sums(config, math_ops, head, tile, factor, k_start - q_start)
+        )
+        if factor_sums is not None:
+            x_MxN = _factor_input(config, head, q_MxD, k_NxD, tile, k_start - q_start)
+            factor_sums = jax.tree.map(jnp.add, factor_sums, _factor_sums(tile, x_MxN))
+        return acc_MxD, sums, factor_sums
 
     start, stop = config.mask.key_blocks(q_start, bq, bk)
     full_stop = config.mask.full_key_blocks_stop(q_start, bk, start, stop, config.segments)
     zeros_Mx1 = jnp.zeros((bq, 1), jnp.float32)
-    carry = (jnp.zeros(q_MxD.shape, jnp.float32), _ParamSums(*[zeros_Mx1] * 4))
+    factor_sums = _FactorSums(*[zeros_Mx1] * 4) if factor is not None else None
+    carry = (jnp.zeros(q_MxD.shape, jnp.float32), _ParamSums(*[zeros_Mx1] * 3), factor_sums)
     carry = lax.fori_loop(start, full_stop, functools.partial(body, masked=False), carry)
-    acc_MxD, sums = lax.fori_loop(full_stop, stop, functools.partial(body, masked=True), carry)
-    inv_sqrt_d = jnp.float32(1.0 / math.sqrt(config.head_dim))
+    acc_MxD, sums, factor_sums = lax.fori_loop(
+        full_stop, stop, functools.partial(body, masked=True), carry
+    )
     d_factor = None
     if factor is not None:
-        # sum_k ds * q.k = q . (ds @ K): the scores' share without the score tile.
-        score_part = jnp.sum(q_MxD.astype(jnp.float32) * acc_MxD, axis=1, keepdims=True)
-        d_factor = score_part * inv_sqrt_d + sums.factor_bias
+        d_factor = _factor_gradient(factor_sums)
         acc_MxD = acc_MxD * factor
-    dq_ref[...] = (acc_MxD * inv_sqrt_d).astype(dq_ref.dtype)
+    dq_ref[...] = (acc_MxD * jnp.float32(1.0 / math.sqrt(config.head_dim))).astype(dq_ref.dtype)
     d_params_ref[...] = _param_gradients(config, head, sums, d_factor, rows.log_n)
 
 
