@@ -17,8 +17,8 @@ from bam_train import checkpoint
 from bam_train.checkpoint import DiskFullError, is_disk_full
 from bam_train.loop import train
 from tests.byte_runs import byte_text_config, write_word_corpus
+from tests.train_runs import REPO, subprocess_environment
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tensorstore's report of a full disk, as orbax raises it from an array write.
 TENSORSTORE_FULL = (
     'RESOURCE_EXHAUSTED: Error writing "params.w/0" in OCDBT database at local file "/x/": '
@@ -57,16 +57,6 @@ def _command(workdir: str) -> list[str]:
     ]
 
 
-def _environment(tmp_path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": REPO,
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
-
-
 def _files(directory: str) -> dict[str, bytes]:
     paths = glob.glob(f"{directory}/**", recursive=True)
     return {p: open(p, "rb").read() for p in paths if os.path.isfile(p)}
@@ -75,7 +65,7 @@ def _files(directory: str) -> dict[str, bytes]:
 def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path):
     workdir = str(tmp_path / "run")
     checkpoints = os.path.join(workdir, "checkpoints")
-    env = _environment(tmp_path)
+    env = subprocess_environment(tmp_path)
     failed = subprocess.run(
         [sys.executable, "-c", FAILING_RUN, *_command(workdir)],
         env=env,

@@ -1,49 +1,15 @@
 """Ctrl-C (SIGINT) to `bam-train`: the first saves the current step and exits with status 130
 and one line, the run resumes from it; a second stops the process at once."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from bam_train.loop import _StopRequests
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _metric_steps(workdir: str) -> list[int]:
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line)["step"] for line in f if line.strip()]
-
-
-def _command(workdir: str, steps: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "bam_train",
-        "--config=micro",
-        f"--workdir={workdir}",
-        f"--config.steps={steps}",
-        "--config.log_every=1",
-        "--config.checkpoint_every=100000",
-    ]
-
-
-def _environment(tmp_path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": REPO,
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+from tests.train_runs import REPO, metric_steps, micro_command, subprocess_environment
 
 
 def _default_sigint() -> None:
@@ -53,9 +19,9 @@ def _default_sigint() -> None:
 
 def test_ctrl_c_saves_exits_130_with_one_line_and_the_run_resumes(tmp_path):
     workdir = str(tmp_path / "run")
-    env = _environment(tmp_path)
+    env = subprocess_environment(tmp_path)
     proc = subprocess.Popen(
-        _command(workdir, steps=100000),
+        micro_command(workdir, steps=100000),
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -64,21 +30,21 @@ def test_ctrl_c_saves_exits_130_with_one_line_and_the_run_resumes(tmp_path):
         preexec_fn=_default_sigint,
     )
     deadline = time.time() + 300
-    while len(_metric_steps(workdir)) < 2 and proc.poll() is None and time.time() < deadline:
+    while len(metric_steps(workdir)) < 2 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
     lines = stderr.splitlines()
     assert len(lines) == 1, stderr[-3000:]
-    stopped_at = _metric_steps(workdir)[-1]
+    stopped_at = metric_steps(workdir)[-1]
     assert lines[0] == (
         f"interrupted (Ctrl-C): saved step {stopped_at} to {workdir}; the same command resumes"
     )
     assert str(stopped_at) in os.listdir(os.path.join(workdir, "checkpoints"))
 
     resumed = subprocess.run(
-        _command(workdir, steps=stopped_at + 2),
+        micro_command(workdir, steps=stopped_at + 2),
         env=env,
         cwd=REPO,
         capture_output=True,
@@ -87,7 +53,7 @@ def test_ctrl_c_saves_exits_130_with_one_line_and_the_run_resumes(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step {stopped_at}" in resumed.stdout
-    assert _metric_steps(workdir)[-2:] == [stopped_at + 1, stopped_at + 2]
+    assert metric_steps(workdir)[-2:] == [stopped_at + 1, stopped_at + 2]
 
 
 @pytest.fixture
