@@ -209,6 +209,7 @@ def test_dimensions_the_rule_cannot_shard_are_gathered(results, name):
     assert results[name]["collectives"]["all-gather"] > 0
 
 
+@pytest.mark.slow
 def test_gspmd_partitioner_shards_the_same_way(kernel_cache):
     names = ("batch_ggd_ssmax", "heads_gqa_2x2_documents_offset")
     results = _run_checks(names, kernel_cache, shardy=False)

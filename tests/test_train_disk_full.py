@@ -62,6 +62,7 @@ def _files(directory: str) -> dict[str, bytes]:
     return {p: open(p, "rb").read() for p in paths if os.path.isfile(p)}
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path):
     workdir = str(tmp_path / "run")
     checkpoints = os.path.join(workdir, "checkpoints")

@@ -172,7 +172,12 @@ def test_fused_cpu_kernel_under_x64(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "backward"), [("gpu", "fused"), ("gpu", "blockwise"), ("tpu", "blockwise")]
+    ("backend", "backward"),
+    [
+        ("gpu", "fused"),
+        pytest.param("gpu", "blockwise", marks=pytest.mark.slow),
+        ("tpu", "blockwise"),
+    ],
 )
 def test_pallas_interpret_under_x64(backend: str, backward: str) -> None:
     check_x64(INTERPRET_CASE, lambda: interpret_run(INTERPRET_CASE, backend, backward))
