@@ -125,6 +125,7 @@ def first_step_loss(cfg: TrainConfig) -> float:
     return float(metrics["loss"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "option, model_changes",
     [

@@ -17,6 +17,7 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_exits_130_with_one_line_and_the_run_resumes(tmp_path):
     workdir = str(tmp_path / "run")
     env = subprocess_environment(tmp_path)

@@ -173,12 +173,9 @@ def test_fused_cpu_kernel_under_x64(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("backend", "backward"),
-    [
-        ("gpu", "fused"),
-        pytest.param("gpu", "blockwise", marks=pytest.mark.slow),
-        ("tpu", "blockwise"),
-    ],
+    [("gpu", "fused"), ("gpu", "blockwise"), ("tpu", "blockwise")],
 )
+@pytest.mark.slow
 def test_pallas_interpret_under_x64(backend: str, backward: str) -> None:
     check_x64(INTERPRET_CASE, lambda: interpret_run(INTERPRET_CASE, backend, backward))
 
