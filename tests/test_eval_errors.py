@@ -4,6 +4,7 @@ before any work, naming what to fix; results files and checkpoints are left unto
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from bam_eval.passkey import PasskeySettings, auto_batch_size, evaluate_passkey
 from bam_eval.results import ResultStore
 from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward
+from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.reference_checkpoint import export_reference_checkpoint
 from bam_jax.tokenizers import ByteTokenizer
 from tests.checkpoint_damage import shift_floats
@@ -269,3 +271,17 @@ def test_valid_results_still_load(tmp_path) -> None:
     again = ResultStore(str(path), entry_fields=("accuracy",))
     assert again.get({"seed": 0}, "300") == {"accuracy": 0.5}
     assert json.loads(path.read_text())["model"] == {"name": "m"}
+
+
+def test_unretrieved_orbax_read_failures_are_not_logged() -> None:
+    """A read that failed after the load had already failed is not reported again."""
+    quiet_orphaned_checkpoint_reads()
+    logger = logging.getLogger("asyncio")
+
+    def record(message: str) -> logging.LogRecord:
+        return logger.makeRecord("asyncio", logging.ERROR, __file__, 1, message, (), None)
+
+    orphaned = record("Task exception was never retrieved\nfuture: <Task coro=<orbax read>>")
+    other_task = record("Task exception was never retrieved\nfuture: <Task coro=<mine>>")
+    assert not all(f.filter(orphaned) for f in logger.filters)
+    assert all(f.filter(other_task) for f in logger.filters)

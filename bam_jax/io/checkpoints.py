@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,8 +70,9 @@ def _cause(err: BaseException) -> BaseException | None:
 
 def quiet_orphaned_checkpoint_reads() -> None:
     """After a checkpoint fails to load, TensorStore finishes the reads still in flight and
-    hands them to Orbax's event loop, which is closed by then; each would print a traceback
-    after the one-line error. Those, and only those, are dropped."""
+    hands them to Orbax's event loop, which is closed by then, or leaves their failed tasks
+    unretrieved; each would print a traceback after the one-line error. Those, and only
+    those, are dropped."""
     default_hook = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -79,6 +82,25 @@ def quiet_orphaned_checkpoint_reads() -> None:
         default_hook(unraisable)
 
     sys.unraisablehook = hook
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OrphanedReadReports) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_OrphanedReadReports())
+
+
+class _OrphanedReadReports(logging.Filter):
+    """Drops asyncio's report of a failed checkpoint read whose task nobody awaited any more
+    (the load already failed and said why in one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        unretrieved = record.getMessage().startswith("Task exception was never retrieved")
+        return not (unretrieved and "orbax" in _traceback_text(record))
+
+
+def _traceback_text(record: logging.LogRecord) -> str:
+    error = record.exc_info[1] if record.exc_info else None
+    if error is None:
+        return record.getMessage()
+    return "".join(traceback.format_exception(error))
 
 
 class CheckpointReadError(ValueError):
