@@ -231,6 +231,7 @@ def test_bad_dilation_settings_name_the_field(changes, message):
         dataclasses.replace(dilation_config(500.0), **changes)
 
 
+@pytest.mark.slow
 def test_blockwise_attention_under_dilation_matches_the_reference_values_and_gradients():
     """The quick start trains blockwise; its dilated priors must give the reference's values
     and gradients (prior parameters included) at a length that is not a multiple of the

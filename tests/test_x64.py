@@ -158,14 +158,22 @@ def check_x64(case: Case, make_run: Callable[[], Callable[[dict], jax.Array]]) -
             np.testing.assert_allclose(got, want, atol=GRAD_TOL * scale, rtol=GRAD_TOL)
 
 
-@pytest.mark.parametrize("name", [*sorted(CASES), "window"])
+def only_documents_by_default(names: list[str]) -> list:
+    """The cases, all but the documents case marked slow (the default suite's time)."""
+    return [
+        name if name == "documents_ssmax_inside" else pytest.param(name, marks=pytest.mark.slow)
+        for name in names
+    ]
+
+
+@pytest.mark.parametrize("name", only_documents_by_default([*sorted(CASES), "window"]))
 def test_blockwise_under_x64(name: str) -> None:
     case = CASES.get(name, WINDOW_CASE)
     check_x64(case, lambda: implementation_run(case, "blockwise"))
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="the CPU kernel needs a C++ compiler")
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", only_documents_by_default(sorted(CASES)))
 def test_fused_cpu_kernel_under_x64(name: str) -> None:
     # The native forward and the blockwise backward.
     check_x64(CASES[name], lambda: implementation_run(CASES[name], "pallas"))
