@@ -7,7 +7,6 @@ import errno
 import gc
 import glob
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -17,7 +16,7 @@ from bam_train import checkpoint
 from bam_train.checkpoint import DiskFullError, is_disk_full
 from bam_train.loop import train
 from tests.byte_runs import byte_text_config, write_word_corpus
-from tests.train_runs import REPO, subprocess_environment
+from tests.train_runs import run_bam_train, subprocess_environment
 
 # Tensorstore's report of a full disk, as orbax raises it from an array write.
 TENSORSTORE_FULL = (
@@ -67,14 +66,7 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path):
     workdir = str(tmp_path / "run")
     checkpoints = os.path.join(workdir, "checkpoints")
     env = subprocess_environment(tmp_path)
-    failed = subprocess.run(
-        [sys.executable, "-c", FAILING_RUN, *_command(workdir)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    failed = run_bam_train([sys.executable, "-c", FAILING_RUN, *_command(workdir)], env)
     assert failed.returncode == 1, failed.stdout[-2000:] + failed.stderr[-3000:]
     lines = failed.stderr.splitlines()
     assert len(lines) == 1, failed.stderr[-3000:]
@@ -85,14 +77,7 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path):
     assert saved_step == "2" and unfinished.startswith("4.orbax-checkpoint-tmp")
     saved = _files(os.path.join(checkpoints, "2"))
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "bam_train", *_command(workdir)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = run_bam_train([sys.executable, "-m", "bam_train", *_command(workdir)], env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 2" in resumed.stdout
     assert sorted(os.listdir(checkpoints)) == ["2", "4"]

@@ -3,13 +3,17 @@ and one line, the run resumes from it; a second stops the process at once."""
 
 import os
 import signal
-import subprocess
-import time
 
 import pytest
 
 from bam_train.loop import _StopRequests
-from tests.train_runs import REPO, metric_steps, micro_command, subprocess_environment
+from tests.train_runs import (
+    metric_steps,
+    micro_command,
+    run_bam_train,
+    signalled_run,
+    subprocess_environment,
+)
 
 
 def _default_sigint() -> None:
@@ -21,21 +25,10 @@ def _default_sigint() -> None:
 def test_ctrl_c_saves_exits_130_with_one_line_and_the_run_resumes(tmp_path):
     workdir = str(tmp_path / "run")
     env = subprocess_environment(tmp_path)
-    proc = subprocess.Popen(
-        micro_command(workdir, steps=100000),
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_default_sigint,
+    returncode, stdout, stderr = signalled_run(
+        workdir, env, signal.SIGINT, preexec_fn=_default_sigint
     )
-    deadline = time.time() + 300
-    while len(metric_steps(workdir)) < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
+    assert returncode == 130, stdout[-2000:] + stderr[-3000:]
     lines = stderr.splitlines()
     assert len(lines) == 1, stderr[-3000:]
     stopped_at = metric_steps(workdir)[-1]
@@ -44,14 +37,7 @@ def test_ctrl_c_saves_exits_130_with_one_line_and_the_run_resumes(tmp_path):
     )
     assert str(stopped_at) in os.listdir(os.path.join(workdir, "checkpoints"))
 
-    resumed = subprocess.run(
-        micro_command(workdir, steps=stopped_at + 2),
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = run_bam_train(micro_command(workdir, steps=stopped_at + 2), env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step {stopped_at}" in resumed.stdout
     assert metric_steps(workdir)[-2:] == [stopped_at + 1, stopped_at + 2]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 REPO = str(Path(__file__).resolve().parent.parent)
 
@@ -42,3 +45,29 @@ def subprocess_environment(tmp_path: Path) -> dict[str, str]:
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
+
+
+def run_bam_train(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A whole bam-train run (`argv` from the program on), its output captured."""
+    return subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def signalled_run(
+    workdir: str, env: dict[str, str], signum: int, **popen_options: Any
+) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of a long micro run sent `signum` after two steps."""
+    proc = subprocess.Popen(
+        micro_command(workdir, steps=100000),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen_options,
+    )
+    deadline = time.time() + 300
+    while len(metric_steps(workdir)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=300)
+    return proc.returncode, stdout, stderr
