@@ -1,4 +1,4 @@
-"""Fixtures shared by the training tests."""
+"""Fixtures shared by the tests."""
 
 import jax
 import pytest
@@ -24,3 +24,17 @@ def compilation_cache(tmp_path_factory):
     for name, value in previous.items():
         jax.config.update(name, value)
     cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> str:
+    """A reference run directory (model.npz, args.json) of an untrained nano bam_ssmax model
+    over bytes, context 64."""
+    from bam_eval.models import random_model
+    from bam_jax.config import ModelConfig
+    from bam_jax.reference_checkpoint import export_reference_checkpoint
+
+    config = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
+    path = tmp_path_factory.mktemp("runs") / "bam"
+    export_reference_checkpoint(random_model(config), config, path, fmt="npz")
+    return str(path)

@@ -29,13 +29,6 @@ CONFIG = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_s
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("runs") / "bam"
-    export_reference_checkpoint(random_model(CONFIG), CONFIG, path, fmt="npz")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """A training workdir with one checkpoint (step 3) of an untrained micro model."""
     from bam_configs.presets import preset

@@ -6,24 +6,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import pytest
-
 from bam_eval import api
 from bam_eval.cli import main
-from bam_eval.models import random_model
 from bam_eval.results import ResultStore
-from bam_jax.config import ModelConfig
-from bam_jax.reference_checkpoint import export_reference_checkpoint
 from bam_quickstart import run as quickstart
-
-CONFIG = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("runs") / "bam"
-    export_reference_checkpoint(random_model(CONFIG), CONFIG, path, fmt="npz")
-    return str(path)
 
 
 def _passkey(run_dir: str, out, *extra: str) -> int:
