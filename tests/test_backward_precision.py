@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +21,9 @@ import numpy as np
 import pytest
 
 from bam_jax.attention import dot_product_attention
-from bam_jax.kernels import cpu
 from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import GGD_EPS, GGDPrior
+from tests.cpu_compiler import needs_compiler
 from tests.test_x64 import x64_mode
 
 GRAD_RTOL = 1e-3
@@ -33,7 +32,6 @@ GRAD_RTOL = 1e-3
 GRAD_FLOOR = 0.1
 VALUE_TOL = 2e-4
 QKV_GRAD_TOL = 5e-4  # of the largest gradient entry
-HAS_COMPILER = any(shutil.which(name) for name in cpu.COMPILERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +213,7 @@ def test_blockwise_gradients_match_float64(name: str) -> None:
     check_against_float64(CASES[name], "blockwise")
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="the CPU kernel needs a C++ compiler")
+@needs_compiler
 @pytest.mark.parametrize("name", default_or_slow(sorted(CASES)))
 def test_fused_cpu_kernel_gradients_match_float64(name: str) -> None:
     check_against_float64(CASES[name], "pallas")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ import pytest
 from bam_jax.attention import dot_product_attention
 from bam_jax.kernels import cpu
 from bam_jax.pallas_attention import pallas_attention
+from tests.cpu_compiler import needs_compiler
 from tests.test_pallas_attention import (
     Case,
     attention_kwargs,
@@ -38,10 +38,7 @@ from tests.test_pallas_attention import (
     run_reference,
 )
 
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(name) for name in cpu.COMPILERS),
-    reason="the CPU kernel is compiled on first use and this machine has no C++ compiler",
-)
+pytestmark = needs_compiler
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -26,6 +26,7 @@ import pytest
 
 from bam_jax.blockwise import blockwise_attention
 from bam_jax.kernels import cpu
+from tests.cpu_compiler import needs_compiler
 from tests.test_cpu_kernel import run_python
 from tests.test_pallas_attention import (
     Case,
@@ -35,10 +36,7 @@ from tests.test_pallas_attention import (
     run_kernel,
 )
 
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(name) for name in cpu.COMPILERS),
-    reason="the CPU kernel is compiled on first use and this machine has no C++ compiler",
-)
+pytestmark = needs_compiler
 TINY_SOURCE = 'extern "C" int BamCpuAttentionHasAvx512() { return 1; }\n'
 
 

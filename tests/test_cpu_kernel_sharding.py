@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,15 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bam_jax.kernels import cpu
 from bam_jax.pallas_attention import pallas_attention
+from tests.cpu_compiler import needs_compiler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(name) for name in cpu.COMPILERS),
-    reason="the CPU kernel is compiled on first use and this machine has no C++ compiler",
-)
+pytestmark = needs_compiler
 
 # name: (case, mesh axes and sizes, q's spec [B, T, H, D], k's and v's spec [B, S, K, D]).
 CASES = """

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
 from collections.abc import Callable, Iterator
 
 import jax
@@ -22,13 +21,12 @@ from flax import nnx
 
 from bam_jax.attention import dot_product_attention, reference_attention
 from bam_jax.config import ModelConfig
-from bam_jax.kernels import cpu
 from bam_jax.model import Transformer
 from bam_jax.pallas_attention import pallas_attention
+from tests.cpu_compiler import HAS_COMPILER, needs_compiler
 from tests.test_pallas_attention import Case, attention_kwargs, make_inputs
 
 ATOL = RTOL = 2e-5
-HAS_COMPILER = any(shutil.which(name) for name in cpu.COMPILERS)
 GRAD_TOL = 1e-4
 
 CASES = {
@@ -172,7 +170,7 @@ def test_blockwise_under_x64(name: str) -> None:
     check_x64(case, lambda: implementation_run(case, "blockwise"))
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="the CPU kernel needs a C++ compiler")
+@needs_compiler
 @pytest.mark.parametrize("name", only_documents_by_default(sorted(CASES)))
 def test_fused_cpu_kernel_under_x64(name: str) -> None:
     # The native forward and the blockwise backward.
