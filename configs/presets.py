@@ -18,11 +18,13 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
 - micro: the "nano" model for tests and smoke runs (context 96, Mistral vocabulary).
 - anchor: the configuration of the performance anchor (dim 256, 4 layers, 8 heads,
   vocabulary 32768, context 256, batch 16).
-- l6_512 ... l24_1024: the paper's recipe (docs/spec.md section 9) for every model size at context
-  512 and 1024: 589,824 tokens per optimizer step, 20,000 steps, RAdam with decoupled weight
-  decay 0.1, lr 1e-3 cosine-decayed to 1e-4, no warmup, clipping at 1.0, bfloat16 compute,
-  validation every 32 steps on the held-out first 3,899,392 tokens (about 3.9M, 119
-  micro-batches), on pre-tokenised FineWeb shards (`python -m bam_train.shards`).
+- l6_512 ... l24_1024: the authors' training recipe (docs/spec.md section 9, whose table pins
+  every field) for every model size at context 512 and 1024: BAM starting as ALiBi (slopes,
+  shape 1, location 0 and trained), one global prior, 589,824 tokens per optimizer step,
+  20,000 steps, RAdam with decoupled weight decay 0.1, lr 1e-3 cosine-decayed to 1e-4 for
+  every parameter group, no warmup, clipping at 1.0, bfloat16 compute, the token stream read
+  in order, validation every 32 steps on the first 3,932,160 tokens, training from 1,000,000
+  tokens after them, on pre-tokenised FineWeb shards (`python -m bam_train.shards`).
 
 This file is also an ml_collections config file: `get_config(name)` returns the preset as a
 ConfigDict whose fields can be overridden with `--config.FIELD=VALUE`.
@@ -42,8 +44,10 @@ from bam_train.data import DataConfig
 PAPER_SIZES = ("l6", "l8", "l12", "l15", "l18", "l24")
 PAPER_CONTEXTS = (512, 1024)
 PAPER_TOKENS_PER_STEP = 589_824
-# The held-out prefix validated on (spec: about 3.9M tokens): 119 micro-batches of 32,768.
-PAPER_VAL_TOKENS = 3_899_392
+# The authors' validation set: the first 3,932,160 tokens (120 micro-batches of 32,768),
+# then 1,000,000 tokens left unused before the training tokens start.
+PAPER_VAL_TOKENS = 3_932_160
+PAPER_VAL_GAP_TOKENS = 1_000_000
 # Sizes that shard parameters over the devices (fsdp) instead of replicating them.
 FSDP_SIZES = ("l15", "l18", "l24")
 
@@ -176,15 +180,27 @@ def paper(size: str, context: int) -> TrainConfig:
         size,
         max_seq_len=context,
         encoding="bam_ssmax",
+        prior_alpha_init="slope",
+        prior_beta_init=1.0,
+        prior_mu_init=0.0,
+        train_prior_mu=True,
         dtype="bfloat16",
         attention_impl="blockwise",
         remat=fsdp,
     )
     batch_size = 64 * 512 // context
     val_rows = PAPER_VAL_TOKENS // context
+    data = DataConfig(
+        source="shards",
+        path="data/fineweb-sample-10BT",
+        shuffle=False,
+        val_rows=val_rows,
+        val_gap_tokens=PAPER_VAL_GAP_TOKENS,
+        boundary_targets=True,
+    )
     return TrainConfig(
         model=model,
-        data=DataConfig(source="shards", path="data/fineweb-sample-10BT", val_rows=val_rows),
+        data=data,
         optim=OptimConfig(lr=1e-3, prior_lr=1e-3, ssmax_lr=1e-3, weight_decay=0.1),
         mesh=MeshConfig(data=1, fsdp=-1) if fsdp else MeshConfig(data=-1),
         steps=20_000,

@@ -171,6 +171,47 @@ def test_validation_is_a_held_out_prefix(text_file):
     np.testing.assert_array_equal(train_rows[0]["inputs"], first_train[4]["inputs"])
 
 
+def test_training_starts_a_gap_of_tokens_after_the_validation_rows(text_file):
+    path, docs = text_file
+    cfg = DataConfig(
+        source="text", path=path, tokenizer="byte", val_rows=4, val_gap_tokens=7, shuffle=False
+    )
+    stream = np.concatenate([[1, *get_tokenizer("byte").encode(d), 2] for d in docs * 20])
+    train_rows = build_rows(cfg, 32, 0, "train")
+    first = 4 * 32 + 7
+    for k in (0, 3):
+        start = first + 32 * k
+        np.testing.assert_array_equal(train_rows[k]["inputs"], stream[start : start + 32])
+        np.testing.assert_array_equal(train_rows[k]["targets"], stream[start + 1 : start + 33])
+    assert len(build_rows(cfg, 32, 0, "val")) == 4
+
+
+def test_a_gap_spans_shards_in_order(text_file, tmp_path):
+    path, _ = text_file
+    out = str(tmp_path / "shards")
+    shards.write_shards(
+        documents.iter_dataset_texts(path), out, get_tokenizer("byte"), shard_tokens=300
+    )
+    sizes = [len(tokens) for tokens, _ in shard_readers.open_shards(out)]
+    text_cfg = DataConfig(source="text", path=path, tokenizer="byte", val_rows=0, shuffle=False)
+    shard_cfg = dataclasses.replace(
+        text_cfg, source="shards", path=out, val_gap_tokens=sizes[0] + 5
+    )
+    rows = build_rows(shard_cfg, 16, 0, "train")
+    stream = np.concatenate([tokens for tokens, _ in shard_readers.open_shards(out)])
+    np.testing.assert_array_equal(rows[0]["inputs"], stream[sizes[0] + 5 : sizes[0] + 21])
+
+
+def test_boundary_targets_train_the_step_into_the_next_document(text_file):
+    path, _ = text_file
+    cfg = DataConfig(source="text", path=path, tokenizer="byte", val_rows=0, shuffle=False)
+    masked = build_rows(cfg, 32, 0, "train")[0]
+    trained = build_rows(dataclasses.replace(cfg, boundary_targets=True), 32, 0, "train")[0]
+    assert masked["loss_mask"].min() == 0.0
+    np.testing.assert_array_equal(trained["loss_mask"], np.ones(32, np.float32))
+    np.testing.assert_array_equal(trained["targets"], masked["targets"])
+
+
 def test_shards_match_text_rows(text_file, tmp_path):
     path, _ = text_file
     out = str(tmp_path / "shards")

@@ -53,8 +53,11 @@ class DataConfig:
     tokenizer: "mistral", "byte", "passkey:BASE" (BASE cut down to the passkey strings'
     tokens), a tokenizer.json file or a directory holding one, or a SentencePiece .model
     (passkey, text); text_key: the .jsonl or dataset field; add_bos/add_eos: around each
-    text document; shuffle: row order (text, shards); val_rows: held-out rows at the start
-    of the data (text, shards).
+    text document; shuffle: row order (text, shards; False reads the stream in order);
+    val_rows: held-out rows at the start of the data (text, shards); val_gap_tokens: tokens
+    skipped after them, so training starts that many tokens after the held-out rows (text,
+    shards); boundary_targets: also train the target that crosses into the next document
+    (EOS -> BOS) instead of masking it (text, shards).
     Passkey: prompts are at least passkey_min_length tokens (0 = the template minimum) and at
     most the context; passkey_prefix_digits key digits are given before the five predicted;
     passkey_paper_filler_fraction of the prompts use the paper's filler, the rest random
@@ -77,6 +80,8 @@ class DataConfig:
     add_eos: bool = True
     shuffle: bool = True
     val_rows: int = 64
+    val_gap_tokens: int = 0
+    boundary_targets: bool = False
     passkey_min_length: int = 0
     passkey_prefix_digits: int = 1
     passkey_paper_filler_fraction: float = 0.25
@@ -103,7 +108,7 @@ class DataConfig:
         for name in fractions:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"data.{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("val_rows", "num_threads", "prefetch"):
+        for name in ("val_rows", "val_gap_tokens", "num_threads", "prefetch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}")
         if self.passkey_prefix_digits < 0:
@@ -247,10 +252,11 @@ def loss_positions_per_row(cfg: DataConfig) -> int | None:
 
 
 class TokenStreamRows:
-    """Rows cut with stride seq_len from a flat token stream with document start offsets.
+    """Rows cut with stride seq_len from a flat token stream with document start offsets,
+    starting `skip_tokens` tokens into the stream (counted over the shards in order).
 
-    Rows never cross a shard boundary; a target in another document than its input is not
-    trained on (the EOS -> next BOS step).
+    Rows never cross a shard boundary; a target in another document than its input (the
+    EOS -> next BOS step) is not trained on unless `boundary_targets`.
     """
 
     def __init__(
@@ -258,11 +264,21 @@ class TokenStreamRows:
         streams: Sequence[tuple[np.ndarray, np.ndarray]],
         seq_len: int,
         vocab_size: int | None = None,
+        *,
+        skip_tokens: int = 0,
+        boundary_targets: bool = False,
     ):
         """With `vocab_size`, every row's ids are checked against [0, vocab_size) as it is
         read (two reductions over a row; a shard damaged after its ids were recorded)."""
         self.streams, self.seq_len, self.vocab_size = list(streams), seq_len, vocab_size
-        rows = [max((len(tokens) - 1) // seq_len, 0) for tokens, _ in self.streams]
+        self.boundary_targets = boundary_targets
+        lengths = np.asarray([len(tokens) for tokens, _ in self.streams], np.int64)
+        before = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self.first_token = np.clip(skip_tokens - before, 0, None)
+        rows = [
+            max((int(n) - int(first) - 1) // seq_len, 0)
+            for n, first in zip(lengths, self.first_token, strict=True)
+        ]
         self.first_row = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
 
     def __len__(self) -> int:
@@ -274,13 +290,19 @@ class TokenStreamRows:
             raise IndexError(f"row {index} out of range [0, {len(self)})")
         shard = int(np.searchsorted(self.first_row, index, side="right")) - 1
         tokens, doc_starts = self.streams[shard]
-        start = (index - int(self.first_row[shard])) * self.seq_len
+        row_in_shard = index - int(self.first_row[shard])
+        start = int(self.first_token[shard]) + row_in_shard * self.seq_len
         window = np.asarray(tokens[start : start + self.seq_len + 1], dtype=np.int32)
         if self.vocab_size is not None:
             self._check_ids(shard, start, window)
         doc_of = np.searchsorted(doc_starts, np.arange(start, start + self.seq_len + 1), "right")
         doc_of = doc_of.astype(np.int64) - 1
         segment = (doc_of - doc_of[0]).astype(np.int32)
+        trained = (
+            np.ones(self.seq_len, np.float32)
+            if self.boundary_targets
+            else (segment[1:] == segment[:-1]).astype(np.float32)
+        )
         return {
             "inputs": window[:-1],
             "targets": window[1:],
@@ -288,7 +310,7 @@ class TokenStreamRows:
             "positions": (np.arange(start, start + self.seq_len) - doc_starts[doc_of[:-1]]).astype(
                 np.int32
             ),
-            "loss_mask": (segment[1:] == segment[:-1]).astype(np.float32),
+            "loss_mask": trained,
         }
 
     def _check_ids(self, shard: int, start: int, window: np.ndarray) -> None:
@@ -337,28 +359,36 @@ def build_rows(cfg: DataConfig, seq_len: int, seed: int, split: str) -> grain.Ma
         return grain.MapDataset.source(
             PasskeyRows(cfg, get_tokenizer(cfg.tokenizer), seq_len, split_seed)
         )
-    rows = grain.MapDataset.source(_stream_rows(cfg, seq_len))
-    if len(rows) <= cfg.val_rows:
-        raise ValueError(
-            f"data.path: {cfg.path!r} gives {len(rows)} rows of {seq_len + 1} tokens, not more "
-            f"than data.val_rows={cfg.val_rows}; add data or lower val_rows / seq_len"
-        )
     if split == "val":
+        rows = grain.MapDataset.source(_stream_rows(cfg, seq_len))
+        if len(rows) <= cfg.val_rows:
+            raise ValueError(
+                f"data.path: {cfg.path!r} gives {len(rows)} rows of {seq_len + 1} tokens, not "
+                f"more than data.val_rows={cfg.val_rows}; add data or lower val_rows / seq_len"
+            )
         return rows[: cfg.val_rows]
-    rows = rows[cfg.val_rows :]
+    skip_tokens = cfg.val_rows * seq_len + cfg.val_gap_tokens
+    rows = grain.MapDataset.source(_stream_rows(cfg, seq_len, skip_tokens))
+    if not len(rows):
+        raise ValueError(
+            f"data.path: {cfg.path!r} has not more than data.val_rows={cfg.val_rows} rows of "
+            f"{seq_len + 1} tokens (plus data.val_gap_tokens={cfg.val_gap_tokens} tokens), so "
+            "no row is left for training; add data or lower val_rows / val_gap_tokens / seq_len"
+        )
     if cfg.shuffle:
         rows = rows.shuffle(seed=seed)
     return rows.repeat(None)
 
 
-def _stream_rows(cfg: DataConfig, seq_len: int) -> TokenStreamRows:
+def _stream_rows(cfg: DataConfig, seq_len: int, skip_tokens: int = 0) -> TokenStreamRows:
+    options = {"skip_tokens": skip_tokens, "boundary_targets": cfg.boundary_targets}
     if cfg.source == "shards":
         vocab_size = read_meta(cfg.path)["vocab_size"]
-        return TokenStreamRows(open_shards(cfg.path), seq_len, vocab_size)
+        return TokenStreamRows(open_shards(cfg.path), seq_len, vocab_size, **options)
     tokenizer = get_tokenizer(cfg.tokenizer)
     docs = source_documents(cfg.path, cfg.text_key)
     stream = tokenize_documents(docs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos)
-    return TokenStreamRows([stream], seq_len)
+    return TokenStreamRows([stream], seq_len, **options)
 
 
 @dataclasses.dataclass(frozen=True)
