@@ -1,7 +1,7 @@
 """Accelerator check: the fused Pallas kernel's gate, attention throughput, a training step.
 
-    PYTHONPATH=. python bench/accelerator_check.py            # one GPU, under 8 minutes
-    PYTHONPATH=. python bench/accelerator_check.py --smoke    # CPU, tiny sizes, ~1.5 min
+    python -m bench.accelerator_check            # one GPU, under 8 minutes
+    python -m bench.accelerator_check --smoke    # CPU, tiny sizes, ~1.5 min
 
 Four sections, each row appended to the markdown table (`--out`, default
 results/accelerator_check/DEVICE-DATE.md) as soon as it is measured, so a run cut short

@@ -1,7 +1,7 @@
 """Time and temporary memory of reference vs blockwise attention; prints Markdown tables.
 
-    python bench/attention_bench.py                      # 1k, 4k, 16k, 32k tokens
-    python bench/attention_bench.py --lengths 4096 --block-q 512 --block-k 512
+    python -m bench.attention_bench                      # 1k, 4k, 16k, 32k tokens
+    python -m bench.attention_bench --lengths 4096 --block-q 512 --block-k 512
 
 Batch 1, 8 heads, head dim 64, float32, causal, on the default JAX backend, for three
 configurations: no prior, the GGD prior, GGD + SSMax. Times are the median wall time of
@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from matmul_rate import matmul_gflops
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.priors import init_ggd_prior
+from bench.matmul_rate import matmul_gflops
 
 HEADS, HEAD_DIM = 8, 64
 CONFIGS = ("none", "ggd", "ggd+ssmax")

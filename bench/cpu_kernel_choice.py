@@ -1,8 +1,8 @@
 """Where the CPU kernel beats blockwise attention: its native build, other builds (by default
 one without AVX-512) and blockwise, timed in one run on one machine; prints a table.
 
-    python bench/cpu_kernel_choice.py                 # the native build and -mno-avx512f
-    python bench/cpu_kernel_choice.py --extra-build=-mno-avx512f --extra-build=-march=znver3
+    python -m bench.cpu_kernel_choice                 # the native build and -mno-avx512f
+    python -m bench.cpu_kernel_choice --extra-build=-mno-avx512f --extra-build=-march=znver3
 
 Batch 1, 8 heads, head dim 64, float32, the GGD prior and SSMax, a causal chunk at the end
 of 8192 cached keys: a 512-query prefill chunk and a single-query decode step. Each build
@@ -32,11 +32,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from matmul_rate import matmul_gflops
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.kernels import cpu
 from bam_jax.priors import GGDPrior
+from bench.matmul_rate import matmul_gflops
 
 HEADS, HEAD_DIM, KEYS = 8, 64, 8192
 SHAPES = {"prefill 512 x 8192": 512, "decode 1 x 8192": 1}

@@ -1,7 +1,7 @@
 """Passkey evaluation speed and memory: seconds per sample and peak memory by prompt length.
 
-    python bench/eval_bench.py                       # tiny, l6 at 1k..64k; anchor at 4k..16k
-    python bench/eval_bench.py --models anchor --lengths 4k,8k,16k
+    python -m bench.eval_bench                       # tiny, l6 at 1k..64k; anchor at 4k..16k
+    python -m bench.eval_bench --models anchor --lengths 4k,8k,16k
 
 Each (model, length) runs in a fresh process, so its peak resident memory (ru_maxrss:
 JAX runtime, weights, KV cache, scratch) is its own. Random weights (speed does not depend
@@ -58,7 +58,6 @@ def measure(
     the planned memory with `compile_only`)."""
     import numpy as np
     from accelerator_check import causal_forward_flops
-    from matmul_rate import matmul_gflops
 
     from bam_eval.memory import cache_bytes_per_slot
     from bam_eval.models import for_inference, random_model
@@ -66,6 +65,7 @@ def measure(
     from bam_jax.config import ModelConfig
     from bam_jax.inference import ChunkedForward
     from bam_jax.tokenizers import get_tokenizer
+    from bench.matmul_rate import matmul_gflops
 
     spec = dict(MODELS[model_name])
     config = ModelConfig.of_size(spec.pop("preset"), encoding="bam_ssmax", **spec)

@@ -5,7 +5,7 @@ stated) for a GPU (Triton IR) and a TPU (Mosaic) and counts, in the loop body, t
 the logits tile per QK^T product: special functions (exp2, log2, ...), int-to-float
 conversions, divides, gathers and other ALU ops (bam_jax.kernels.lowering.tile_op_counts).
 
-    PYTHONPATH=. python bench/kernel_ops.py
+    python -m bench.kernel_ops
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 checkouts of the project side by side.
 
   git worktree add /tmp/wt-before COMMIT
-  python bench/loop_overlap.py --before=/tmp/wt-before --after=. --repeats=3
+  python -m bench.loop_overlap --before=/tmp/wt-before --after=. --repeats=3
 
 Each run is a fresh process that calls `bam_train.loop.train` on the tiny preset with
 validation off and one checkpoint at the end; steps/s is read from metrics.jsonl over the
@@ -25,7 +25,7 @@ RUN = """
 import json, sys, time
 from bam_configs.presets import preset
 from bam_train.loop import train
-from tests.run_metrics import read_metrics
+from bam_train.metrics import read_metrics
 
 steps, log_every, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 cfg = preset("tiny").replace(

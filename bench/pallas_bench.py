@@ -4,15 +4,15 @@ One implementation of the gate and the timing (bench/accelerator_check.py); this
 only sets the kernel-centred defaults: 4k-128k tokens and the no-reuse GGD variant beside
 the default rows. Any flag of accelerator_check.py may follow and overrides them.
 
-    PYTHONPATH=. python bench/pallas_bench.py --out pallas_bench.md   # GPU/TPU
-    PYTHONPATH=. python bench/pallas_bench.py --interpret             # CPU sanity run
+    python -m bench.pallas_bench --out pallas_bench.md   # GPU/TPU
+    python -m bench.pallas_bench --interpret             # CPU sanity run
 """
 
 from __future__ import annotations
 
 import sys
 
-import accelerator_check
+from bench import accelerator_check
 
 LENGTHS = (16384, 32768, 65536, 131072, 4096, 8192)  # the most important first
 VARIANTS = (*accelerator_check.DEFAULT_VARIANTS, "pallas+ggd-noreuse")

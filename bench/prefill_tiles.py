@@ -1,8 +1,8 @@
 """Attention of one prefill chunk against a long KV cache: blockwise by tiling, and the fused
 CPU kernel; prints a table.
 
-    python bench/prefill_tiles.py                                   # anchor shape, 16k keys
-    python bench/prefill_tiles.py --shape 20,4,16,8192 --tiles 256x256,512x1024 --rounds 5
+    python -m bench.prefill_tiles                                   # anchor shape, 16k keys
+    python -m bench.prefill_tiles --shape 20,4,16,8192 --tiles 256x256,512x1024 --rounds 5
 
 One 512-query chunk sits at the end of S cached keys (batch, heads, head dim and S from
 --shape), with the GGD prior and SSMax, as every chunk of a long passkey prompt does late in
@@ -23,10 +23,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from matmul_rate import matmul_gflops
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.priors import GGDPrior
+from bench.matmul_rate import matmul_gflops
 
 CHUNK = 512
 

@@ -1,8 +1,8 @@
 """Training throughput: wall time of a full optimizer step against the float32 matmul rate
 measured in the same run.
 
-  python bench/train_bench.py                       # tiny, quickstart, anchor, l6
-  python bench/train_bench.py --configs=anchor --steps=10 --rounds=3
+  python -m bench.train_bench                       # tiny, quickstart, anchor, l6
+  python -m bench.train_bench --configs=anchor --steps=10 --rounds=3
 
 Rows:
   tiny        the tiny preset (bam_ssmax, dim 64, 2 layers, context 128, batch 16)
@@ -29,13 +29,13 @@ import statistics
 import time
 
 import jax
-from matmul_rate import matmul_gflops
 
 from bam_configs.presets import preset
 from bam_jax.model import count_params
 from bam_train.config import TrainConfig
 from bam_train.data import DataConfig, train_iterator
 from bam_train.loop import build
+from bench.matmul_rate import matmul_gflops
 
 
 def bench_configs() -> dict[str, TrainConfig]:

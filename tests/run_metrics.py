@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import struct
 from collections.abc import Iterator
 from typing import Any
 
 from tensorboardX.proto.event_pb2 import Event, SessionLog
-
-from bam_jax.io.files import run_path
-from bam_train.metrics import METRICS_FILE
-
-
-def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of `WORKDIR/metrics.jsonl`."""
-    text = (run_path(workdir) / METRICS_FILE).read_text(encoding="utf-8")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def records_without_time(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -11,12 +11,9 @@ import jax
 import pytest
 
 from bam_jax.attention import reference_attention
+from bench import accelerator_check, pallas_bench
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import accelerator_check  # noqa: E402
-import pallas_bench  # noqa: E402
 
 SMOKE_SETTINGS = accelerator_check.make_settings(accelerator_check.parse_args(["--smoke"]))
 
@@ -24,7 +21,7 @@ SMOKE_SETTINGS = accelerator_check.make_settings(accelerator_check.parse_args(["
 def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "accelerator_check.py"), *args],
+        [sys.executable, "-m", "bench.accelerator_check", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_reference_checkpoint import CASES, make_run, write_run
 
 from bam_eval import api as eval_api
 from bam_eval import cli as eval_cli
@@ -32,6 +31,7 @@ from bam_jax import model as model_module
 from bam_jax.config import ModelConfig
 from bam_jax.model import Transformer, reconfigure
 from bam_jax.reference_checkpoint import export_reference_checkpoint, load_reference_checkpoint
+from tests.test_reference_checkpoint import CASES, make_run, write_run
 
 MAX_ERROR_OVER_STD = 0.03
 MAX_KL = 2e-5

@@ -58,15 +58,10 @@ def extra_names(*names: str) -> set[str]:
 def third_party_imports(folder: str) -> set[str]:
     """Top-level names of every module the folder's files import (also in functions) that is
     neither the standard library nor part of the repository."""
-    scripts = {path.stem for path in [*ROOT.glob("tests/*.py"), *ROOT.glob("bench/*.py")]}
-    local = scripts | set(FOLDERS.values()) | {"tests"}
+    local = set(FOLDERS.values()) | {"tests", "bench"}
     names = set()
     for path in (ROOT / folder).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                names |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                names.add(node.module.split(".")[0])
+        names |= imported_names(path.read_text(encoding="utf-8"))
     return {name for name in names if name not in sys.stdlib_module_names} - local - {"__future__"}
 
 
@@ -294,3 +289,34 @@ def test_ci_also_runs_the_suite_on_the_newest_python_and_packages():
     assert lines.count("pytest") >= 1 and lines.index("pytest") > lines.index(upgrade[0])
     assert '"$newest" -m venv .venv-newest' in lines
     assert any("/versions/*/bin/python3" in line for line in lines), "pyenv's Pythons not searched"
+
+
+def test_benchmarks_and_tests_import_each_other_only_as_packages():
+    for path in [*ROOT.glob("tests/*.py"), *ROOT.glob("bench/*.py")]:
+        source = path.read_text(encoding="utf-8")
+        assert not edits_import_path(source), f"{path.relative_to(ROOT)} edits sys.path"
+        if path.parent.name == "bench":
+            assert "tests" not in imported_names(source), f"{path.relative_to(ROOT)}"
+
+
+def imported_names(source: str) -> set[str]:
+    """Top-level names of every module `source` imports (also in functions)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def edits_import_path(source: str) -> bool:
+    """Whether `source` calls a method of sys.path (insert, append, ...)."""
+    return any(
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "path"
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "sys"
+        for node in ast.walk(ast.parse(source))
+    )

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import nnx
-from reference_numpy import reference_forward
 
 from bam_jax.reference_checkpoint import (
     NUMPY_FILE,
@@ -27,6 +26,7 @@ from bam_jax.reference_checkpoint import (
     reference_args,
     strip_prefixes,
 )
+from tests.reference_numpy import reference_forward
 
 TOL = 1e-4
 DIM, LAYERS, HEADS, VOCAB, LENGTH = 32, 2, 4, 64, 17

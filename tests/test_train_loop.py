@@ -23,10 +23,10 @@ from bam_train import loop as train_loop
 from bam_train.checkpoint import read_config
 from bam_train.data import DataConfig, PasskeyRows, train_iterator
 from bam_train.loop import NonFiniteLossError, build, dry_run, loss_sums, train
+from bam_train.metrics import read_metrics
 from bam_train.optim import make_optimizer
 from bam_train.state import ModelParts
 from tests.byte_runs import byte_text_config, write_word_corpus
-from tests.run_metrics import read_metrics
 
 STEPS = 12
 

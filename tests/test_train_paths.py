@@ -25,10 +25,10 @@ from bam_train.checkpoint import Checkpointer, read_config
 from bam_train.config import validate_for_runtime
 from bam_train.data import DataConfig
 from bam_train.loop import train
-from bam_train.metrics import MetricsWriter
+from bam_train.metrics import MetricsWriter, read_metrics
 from bam_train.shards import write_shards
 from tests.byte_runs import byte_text_config, write_word_corpus
-from tests.run_metrics import read_metrics, records_without_time
+from tests.run_metrics import records_without_time
 
 STEPS = 2
 

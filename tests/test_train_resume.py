@@ -19,11 +19,11 @@ from bam_jax.io.checkpoints import error_summary, load_model, quiet_orphaned_che
 from bam_train import loop
 from bam_train.checkpoint import read_config
 from bam_train.loop import train
-from bam_train.metrics import MetricsWriter
+from bam_train.metrics import MetricsWriter, read_metrics
 from bam_train.state import ModelParts
 from tests.byte_runs import byte_text_config, write_word_corpus
 from tests.checkpoint_damage import rewrite_floats, shift_floats
-from tests.run_metrics import read_metrics, records_without_time, tensorboard_scalars
+from tests.run_metrics import records_without_time, tensorboard_scalars
 
 STEPS = 4
 

@@ -44,6 +44,12 @@ PEAK_FLOPS = {
 }
 
 
+def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of `WORKDIR/metrics.jsonl`, in the order written."""
+    text = (run_path(workdir) / METRICS_FILE).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def device_peak_flops(device: jax.Device) -> float | None:
     kind = getattr(device, "device_kind", "")
     for prefix, peak in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
