@@ -201,7 +201,9 @@ def paper(size: str, context: int) -> TrainConfig:
     return TrainConfig(
         model=model,
         data=data,
-        optim=OptimConfig(lr=1e-3, prior_lr=1e-3, ssmax_lr=1e-3, weight_decay=0.1),
+        optim=OptimConfig(
+            lr=1e-3, prior_lr=1e-3, ssmax_lr=1e-3, weight_decay=0.1, numerics="torch"
+        ),
         mesh=MeshConfig(data=1, fsdp=-1) if fsdp else MeshConfig(data=-1),
         steps=20_000,
         batch_size=batch_size,

@@ -22,6 +22,7 @@ REQUIRED_FIELDS = {
     "optim.lr",
     "optim.prior_lr",
     "optim.ssmax_lr",
+    "optim.numerics",
     "data.shuffle",
     "data.val_gap_tokens",
     "data.val_rows * model.max_seq_len",

@@ -71,3 +71,61 @@ def test_clipping_by_global_norm(parts_and_params):
     huge = jax.tree.map(lambda p: jnp.full_like(p, 1e6), params)
     updates, _ = tx.update(huge, tx.init(params), params)
     assert float(optax.tree.norm(updates)) == pytest.approx(1.0, rel=1e-3)
+
+
+def torch_radam_steps(grads_SxN, lr, wd, b1=0.9, b2=0.95, eps=1e-8, max_norm=1.0):
+    """torch.optim.RAdam(decoupled_weight_decay=True) after clip_grad_norm_, in float64
+    (a transcription of their update rule), from parameters of ones."""
+    param = np.ones(grads_SxN.shape[1])
+    m, v = np.zeros_like(param), np.zeros_like(param)
+    rho_inf = 2 / (1 - b2) - 1
+    for t, grad in enumerate(grads_SxN, start=1):
+        grad = grad * min(1.0, max_norm / (np.linalg.norm(grad) + 1e-6))
+        param = param * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * grad
+        v = b2 * v + (1 - b2) * grad**2
+        m_hat = m / (1 - b1**t)
+        rho_t = rho_inf - 2 * t * b2**t / (1 - b2**t)
+        if rho_t > 5:
+            rect = np.sqrt(
+                (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+            )
+            param = param - lr * m_hat * rect * np.sqrt(1 - b2**t) / (np.sqrt(v) + eps)
+        else:
+            param = param - lr * m_hat
+    return param
+
+
+@pytest.mark.parametrize("numerics", ["optax", "torch"])
+def test_torch_numerics_step_as_torch_radam_does(numerics):
+    # Gradients near eps, where the two placements of eps differ most, and one large
+    # gradient that is clipped.
+    rng = np.random.default_rng(0)
+    grads_SxN = rng.normal(size=(12, 6)) * np.array([1e-8, 3e-8, 1e-7, 1e-3, 1e-1, 1.0])
+    grads_SxN[3] *= 100.0
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, final_lr_fraction=1.0, numerics=numerics)
+    tx = make_optimizer(cfg, total_steps=12, labels={"w": "decay"})
+    params = {"w": jnp.ones((1, 6), jnp.float32)}
+    state = tx.init(params)
+    for grad in grads_SxN:
+        updates, state = tx.update({"w": jnp.asarray(grad[None], jnp.float32)}, state, params)
+        params = optax.apply_updates(params, updates)
+    expected = torch_radam_steps(grads_SxN, lr=1e-2, wd=0.1)
+    error = np.abs(np.asarray(params["w"][0], np.float64) - expected).max()
+    if numerics == "torch":
+        assert error < 1e-6
+    else:
+        assert error > 1e-4
+
+
+def test_numerics_must_be_named():
+    with pytest.raises(ValueError, match=r"optim.numerics must be one of \('optax', 'torch'\)"):
+        OptimConfig(numerics="pytorch")
+
+
+@pytest.mark.parametrize("numerics", ["optax", "torch"])
+def test_optimizer_state_can_be_donated(parts_and_params, numerics):
+    parts, params = parts_and_params
+    tx = make_optimizer(OptimConfig(numerics=numerics), total_steps=10, labels=parts.labels)
+    donated = jax.jit(lambda state: state, donate_argnums=0)(tx.init(params))
+    assert jax.tree.structure(donated) == jax.tree.structure(tx.init(params))

@@ -28,13 +28,16 @@ from bam_train.data import DataConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 MAX_SEED = 2**31 - 1
+OPTIMIZER_NUMERICS = ("optax", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """RAdam with decoupled weight decay; cosine schedule from `lr` to
     `final_lr_fraction * lr` after `warmup_steps` of linear warmup. Prior and SSMax
-    parameters have their own peak learning rates and are never decayed."""
+    parameters have their own peak learning rates and are never decayed. `numerics` is
+    "optax" or "torch": where eps enters RAdam's step and the clipping factor
+    (bam_train.optim); "torch" is the authors' code."""
 
     lr: float = 1e-3
     prior_lr: float = 1e-3
@@ -46,8 +49,13 @@ class OptimConfig:
     warmup_steps: int = 0
     final_lr_fraction: float = 0.1
     clip_norm: float = 1.0
+    numerics: str = "optax"
 
     def __post_init__(self):
+        if self.numerics not in OPTIMIZER_NUMERICS:
+            raise ValueError(
+                f"optim.numerics must be one of {OPTIMIZER_NUMERICS}, got {self.numerics!r}"
+            )
         for name in ("lr", "prior_lr", "ssmax_lr", "eps"):
             _check_positive_float32(f"optim.{name}", getattr(self, name))
         for name in ("weight_decay", "clip_norm"):
