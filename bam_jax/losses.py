@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Tokens per chunk: the fastest on a 2-core CPU for V = 32768 (docs/benchmarks.md), and
-# 128 MiB of float32 logits at that vocabulary.
+# Tokens per chunk: the fastest chunk measured for V = 32768 (docs/benchmarks.md), and 128 MiB
+# of float32 logits at that vocabulary.
 DEFAULT_CHUNK_TOKENS = 1024
 
 
@@ -119,7 +119,7 @@ def _scan_chunks(
         d_logits_NxV = d_logits_NxV.astype(compute_dtype)
         d_h_NxE = lax.dot(d_logits_NxV, kernel.T, preferred_element_type=jnp.float32)
         # A transpose XLA may not fold into the product: on a CPU, [E, N] @ [N, V] runs
-        # ~1.5x faster than the same product contracting both operands' first axes.
+        # faster than the same product contracting both operands' first axes.
         h_ExN = lax.optimization_barrier(h_NxE.T)
         d_kernel_ExV = d_kernel_ExV + lax.dot(
             h_ExN, d_logits_NxV, preferred_element_type=jnp.float32

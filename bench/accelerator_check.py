@@ -762,7 +762,7 @@ def training_flops(params: int, cfg, tokens: int) -> float:
 def measure_training(cfg, settings: Settings, deadline: Deadline) -> dict[str, float]:
     from bam_jax.model import count_params
     from bam_train.data import train_iterator
-    from bam_train.loop import build
+    from bam_train.setup import build
 
     setup = build(cfg)
     start = time.perf_counter()

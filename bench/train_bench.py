@@ -34,7 +34,7 @@ from bam_configs.presets import preset
 from bam_jax.model import count_params
 from bam_train.config import TrainConfig
 from bam_train.data import DataConfig, train_iterator
-from bam_train.loop import build
+from bam_train.setup import build
 from bench.matmul_rate import matmul_gflops
 
 

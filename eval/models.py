@@ -29,8 +29,8 @@ from bam_jax.tokenizers import Tokenizer, get_tokenizer
 
 REFERENCE_WEIGHTS = ("model.pt", "model.npz")
 # Blockwise attention's tiles for inference when none are given: a query block spanning a
-# whole default chunk and 1024-key blocks, 1.4x faster than 256 x 256 tiles over a long cache
-# on 2 CPU cores (docs/benchmarks.md). Pallas keeps its backend's own tiles.
+# whole default chunk and 1024-key blocks, faster than 256 x 256 tiles over a long cache on
+# CPUs (docs/benchmarks.md has the measurements). Pallas keeps its backend's own tiles.
 BLOCKWISE_INFERENCE_BLOCKS = (512, 1024)
 
 

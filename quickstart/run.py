@@ -20,7 +20,8 @@ from bam_eval import api
 from bam_eval import plots as plot_lib
 from bam_jax.logs import log_to_stdout
 from bam_train.config import TrainConfig
-from bam_train.loop import INTERRUPTED_STATUS, train
+from bam_train.loop import train
+from bam_train.signals import INTERRUPTED_STATUS
 
 DEFAULT_MULTIPLES = "1,2,4,8,16,32,64,128,256,500"
 COMPARE_ENCODINGS = "nope,rope,alibi,bam,nope_ssmax,rope_ssmax,alibi_ssmax,bam_ssmax"

@@ -17,7 +17,8 @@ from bam_jax.model import LayerFactors, Transformer
 from bam_jax.priors import GGDPrior
 from bam_train.config import TrainConfig
 from bam_train.data import train_iterator
-from bam_train.loop import build, layer_factors
+from bam_train.setup import build
+from bam_train.step import layer_factors
 
 MODEL = ModelConfig.of_size(
     "nano", encoding="bam_ssmax", n_layers=3, ssmax_capped_layers=1, attention_impl="reference"

@@ -11,10 +11,11 @@ import pytest
 
 from bam_configs.presets import PAPER_CONTEXTS, PAPER_SIZES, TRAINING_PRESETS, preset
 from bam_jax.tokenizers import get_tokenizer
-from bam_train import loop as train_loop
+from bam_train import dry_run as dry_run_module
 from bam_train.config import validate_for_runtime
 from bam_train.data import BatchLayout, DataConfig, val_batches
-from bam_train.loop import build, dry_run, format_dry_run
+from bam_train.dry_run import dry_run, format_dry_run
+from bam_train.setup import build
 from bam_train.shards import write_shards
 from tests.byte_runs import byte_text_config
 
@@ -90,7 +91,7 @@ def test_preflight_fails_on_data_that_fails_at_step_one(corpus):
 
 
 def test_preflight_refuses_a_run_that_does_not_fit(corpus, monkeypatch):
-    monkeypatch.setattr(train_loop, "device_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr(dry_run_module, "device_memory_bytes", lambda: 2**20)
     expected = r"memory: one device needs .* at its peak .* has 1.0 MiB; raise mesh.fsdp"
     with pytest.raises(ValueError, match=expected):
         dry_run(build(small_config(corpus)))

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from bam_train.loop import _StopRequests
+from bam_train.signals import StopRequests
 from tests.train_runs import (
     metric_steps,
     micro_command,
@@ -55,7 +55,7 @@ def test_a_second_ctrl_c_stops_at_once(sigint_handler):
     """The first SIGINT is a request to save; after it SIGINT has its default action again,
     which ends the process without running any more Python."""
     sigint_handler(signal.default_int_handler)
-    with _StopRequests() as requests:
+    with StopRequests() as requests:
         assert requests.requested(1) is None
         os.kill(os.getpid(), signal.SIGINT)
         assert requests.requested(1) == "SIGINT"
@@ -67,5 +67,5 @@ def test_a_second_ctrl_c_stops_at_once(sigint_handler):
 
 def test_an_ignored_sigint_stays_ignored(sigint_handler):
     sigint_handler(signal.SIG_IGN)
-    with _StopRequests():
+    with StopRequests():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

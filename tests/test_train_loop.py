@@ -20,12 +20,16 @@ from bam_jax.io.checkpoints import load_model
 from bam_jax.model import Transformer
 from bam_jax.tokenizers import get_tokenizer
 from bam_train import loop as train_loop
+from bam_train import setup as train_setup
 from bam_train.checkpoint import read_config
 from bam_train.data import DataConfig, PasskeyRows, train_iterator
-from bam_train.loop import NonFiniteLossError, build, dry_run, loss_sums, train
+from bam_train.dry_run import dry_run
+from bam_train.loop import train
 from bam_train.metrics import read_metrics
 from bam_train.optim import make_optimizer
+from bam_train.setup import build
 from bam_train.state import ModelParts
+from bam_train.step import NonFiniteLossError, loss_sums
 from tests.byte_runs import byte_text_config, write_word_corpus
 
 STEPS = 12
@@ -148,7 +152,7 @@ def test_an_update_that_overflows_the_state_is_not_saved(tmp_path, corpus, monke
     cfg = small_config(corpus, steps=8, checkpoint_every=1, eval_every=0)
     train(cfg, workdir, stop_after=2)
 
-    monkeypatch.setattr(train_loop, "make_optimizer", overflowing_optimizer)
+    monkeypatch.setattr(train_setup, "make_optimizer", overflowing_optimizer)
     with pytest.raises(NonFiniteLossError, match=r"update of step 3 .* checkpoint is step 2"):
         train(cfg, workdir)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
@@ -241,7 +245,7 @@ def test_a_non_finite_step_between_log_steps_is_never_saved(tmp_path, corpus, mo
     cfg = small_config(corpus, steps=8, log_every=5, checkpoint_every=2, eval_every=0)
     train(cfg, workdir, stop_after=2)
 
-    monkeypatch.setattr(train_loop, "make_optimizer", overflowing_optimizer)
+    monkeypatch.setattr(train_setup, "make_optimizer", overflowing_optimizer)
     with pytest.raises(NonFiniteLossError, match=r"update of step 3 .* checkpoint is step 2"):
         train(cfg, workdir)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]

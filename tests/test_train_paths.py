@@ -20,12 +20,12 @@ from bam_jax.io.checkpoints import CheckpointReadError, checkpoint_dir, load_mod
 from bam_jax.io.files import run_path
 from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.tokenizers import get_tokenizer
-from bam_train import loop
 from bam_train.checkpoint import Checkpointer, read_config
 from bam_train.config import validate_for_runtime
 from bam_train.data import DataConfig
 from bam_train.loop import train
 from bam_train.metrics import MetricsWriter, read_metrics
+from bam_train.resume import prepare_workdir
 from bam_train.shards import write_shards
 from tests.byte_runs import byte_text_config, write_word_corpus
 from tests.run_metrics import records_without_time
@@ -83,7 +83,7 @@ def test_a_workdir_that_cannot_be_a_run_directory_is_a_one_line_error(location, 
 def test_a_gs_workdir_without_its_client_stops_before_the_build(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"workdir: 'gs://bucket/run' needs .*gcsfs"):
-        loop._prepare_workdir("gs://bucket/run")
+        prepare_workdir("gs://bucket/run")
     assert os.listdir(tmp_path) == []
 
 

@@ -47,7 +47,7 @@ import jax
 from bam_configs.presets import preset
 from bam_train.config import MeshConfig
 from bam_train.data import train_iterator
-from bam_train.loop import build
+from bam_train.setup import build
 
 cfg = preset("micro").replace(batch_size=8, steps=3)
 cfg = cfg.replace(data=dataclasses.replace(cfg.data, passkey_loss="all"))

@@ -47,14 +47,11 @@ from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_train.checkpoint import DiskFullError, quiet_full_disk_reports
 from bam_train.config import TrainConfig, describe_type, field_type, to_config_dict
-from bam_train.loop import (
-    INTERRUPTED_STATUS,
-    NonFiniteLossError,
-    build,
-    dry_run,
-    format_dry_run,
-    train,
-)
+from bam_train.dry_run import dry_run, format_dry_run
+from bam_train.loop import train
+from bam_train.setup import build
+from bam_train.signals import INTERRUPTED_STATUS
+from bam_train.step import NonFiniteLossError
 
 DISTRIBUTED_MODES = ("auto", "cluster", "off")
 
