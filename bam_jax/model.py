@@ -124,7 +124,8 @@ class RMSNorm(nnx.Module):
 
 
 class AttentionPrior(nnx.Module):
-    """The GGD prior's per-head parameters theta_alpha, theta_beta, theta_mu, each [H]."""
+    """The GGD prior's per-head parameters theta_alpha, theta_beta, theta_mu, each [H], and
+    its form (`ModelConfig.prior_form`)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         initial = init_ggd_prior(
@@ -141,9 +142,12 @@ class AttentionPrior(nnx.Module):
             initial.theta_beta_H, config.train_prior_beta, PriorParam
         )
         self.theta_mu = _positional_variable(initial.theta_mu_H, config.train_prior_mu, PriorParam)
+        self.form = config.prior_form
 
     def __call__(self) -> GGDPrior:
-        return GGDPrior(self.theta_alpha[...], self.theta_beta[...], self.theta_mu[...])
+        return GGDPrior(
+            self.theta_alpha[...], self.theta_beta[...], self.theta_mu[...], form=self.form
+        )
 
 
 class Attention(nnx.Module):
