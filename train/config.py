@@ -114,12 +114,17 @@ class TrainConfig:
     win by margins that still hold when SSMax sharpens the logits by log(n) at many times
     the training length.
 
-    `prior_dilation` (BAM encodings; 1 = off) evaluates the prior of every global layer (not
-    windowed by `model.local_layers`) at u times every distance, u drawn log-uniformly from
-    [1, prior_dilation] for each micro-batch of each step (evaluation uses 1;
-    `bam_jax.GGDPrior.dilated`): local heads narrow and flat heads stay flat, as when the
+    `prior_dilation` (1 = off) makes every global layer (not windowed by
+    `model.local_layers`) see every distance u times longer, u drawn log-uniformly from
+    [1, prior_dilation] for each micro-batch of each step (evaluation uses 1), as when the
     same tokens lie u times further apart, so the model cannot rely on a head that reaches
-    the needle at the training length only because the prompt is short.
+    the needle at the training length only because the prompt is short. Per encoding: BAM
+    evaluates its prior at u times every distance (`bam_jax.GGDPrior.dilated`: local heads
+    narrow, flat heads stay flat); ALiBi multiplies its slopes by u; RoPE rotates queries and
+    keys as if every position were u times larger; sinusoidal multiplies the positions of
+    its table by u, which reaches every layer, so it refuses local layers; NoPE has no
+    positions and refuses the option; rope_local is windowed in every layer, so has no
+    global layer to dilate.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.of_size("toy"))
@@ -182,10 +187,19 @@ class TrainConfig:
         _check_float32("prior_dilation", self.prior_dilation, minimum=1.0, maximum=1e6)
         if self.prior_dilation == 1.0:
             return
-        if self.model.base_encoding != "bam":
+        base = self.model.base_encoding
+        if base == "nope":
             raise ValueError(
-                f"prior_dilation={self.prior_dilation} needs a BAM encoding (bam, bam_ssmax), "
-                f"got model.encoding={self.model.encoding!r}; set prior_dilation=1"
+                f"prior_dilation={self.prior_dilation} stretches positions, and "
+                f"model.encoding={self.model.encoding!r} (NoPE) has none, so the dilation has "
+                "no analogue there; set prior_dilation=1"
+            )
+        if base == "sinusoidal" and self.model.local_layers:
+            raise ValueError(
+                f"prior_dilation={self.prior_dilation} applies to the global layers, but "
+                f"model.encoding={self.model.encoding!r} adds its positions once, before every "
+                f"layer, local ones included (model.local_layers={self.model.local_layers}); "
+                "set prior_dilation=1 or model.local_layers=0"
             )
         if not any(self.model.global_layers()):
             raise ValueError(
