@@ -308,7 +308,7 @@ def test_dilated_sinusoidal_positions_reach_the_first_layer():
             r"adds its positions once, before every layer, local ones included",
         ),
         ({"model": MODEL.replace(encoding="rope_local", ssmax_capped_layers=0)}, "all 3 are win"),
-        ({"model": MODEL.replace(local_layers=3)}, r"all 3 are windowed \(model.local_layers\)"),
+        ({"model": MODEL.replace(local_layers=3)}, r"all 3 are windowed \(model.local_layers"),
     ],
 )
 def test_bad_dilation_settings_name_the_field(changes, message):

@@ -40,7 +40,12 @@ def test_quickstart_config_is_the_headline_model():
     no_ssmax = quickstart_config("bam")
     assert no_ssmax.ssmax_jitter == 0 and no_ssmax.model.ssmax_capped_layers == 0
     assert cfg.prior_dilation > 1 and no_ssmax.prior_dilation == cfg.prior_dilation
-    assert quickstart_config("alibi_ssmax").prior_dilation == 1.0
+    for encoding in ("alibi", "alibi_ssmax", "rope", "rope_ssmax"):
+        assert quickstart_config(encoding).prior_dilation == cfg.prior_dilation, encoding
+    # No positions (NoPE), the table reaching the local layer too (sinusoidal), no global layer.
+    for encoding in ("nope", "nope_ssmax", "sinusoidal", "sinusoidal_ssmax", "rope_local"):
+        assert quickstart_config(encoding).prior_dilation == 1.0, encoding
+    assert quickstart_config("nope_ssmax").ssmax_jitter == cfg.ssmax_jitter
     assert cfg.model.layer_windows() == (16, None)
     assert no_ssmax.model.layer_windows() == cfg.model.layer_windows()
     assert cfg.model.ssmax_growing_layers() == (False, True)
