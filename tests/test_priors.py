@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bam_jax.config import ModelConfig
 from bam_jax.priors import (
     GGD_EPS,
     GGD_MAX_LOG2_MAGNITUDE,
@@ -311,3 +312,15 @@ def test_every_preset_builds_a_finite_prior(name: str) -> None:
 def test_init_rejects_bad_options(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         init_ggd_prior(4, **kwargs)
+
+
+def test_the_prior_curves_of_bam_eval_follow_the_model_s_form() -> None:
+    from bam_eval.prior_inspect import prior_curves
+
+    row = {"layer": 0, "head": 0, "class": "retrieval"}
+    row |= {name: float(values[1]) for name, values in INFERENCE_PARAMS.items()}
+    config = ModelConfig.of_size("nano", encoding="bam", prior_form="inference")
+    (curve,) = prior_curves(config, [row], max_distance=100, points=20)
+    prior = GGDPrior(*(jnp.float32([row[name]]) for name in INFERENCE_PARAMS), form="inference")
+    expected = prior.bias(-jnp.asarray(curve["distance"], jnp.float32))[0]
+    np.testing.assert_allclose(curve["bias"], np.asarray(expected), rtol=1e-6)
