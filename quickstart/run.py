@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--preset",
         default="quickstart",
-        help="training preset of every run (configs/presets.py; e.g. quickstart_answer_loss)",
+        help="training preset of every run (configs/presets.py; e.g. quickstart_paper, the "
+        "paper's protocol at the quick start's scale)",
     )
     parser.add_argument("--steps", type=int, default=None, help="training steps")
     parser.add_argument(
