@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
+from bam_jax.priors import check_ggd_form
+
 ENCODINGS = (
     "nope",
     "sinusoidal",
@@ -53,6 +55,12 @@ class ModelConfig:
     defaults are the "uniform" prior (starts as NoPE). `global_prior` shares one prior
     across layers; otherwise every layer has its own. `train_*` choose which prior
     parameters (and SSMax scales) are trained; frozen ones are stored as constants.
+    `prior_form` chooses the GGD prior's formula (`bam_jax.GGDPrior`, docs/spec.md section 2):
+    "training" (the default), -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta, what the
+    authors' models train with, or "inference", -(|d - mu| * exp(theta_alpha) + eps) **
+    theta_beta, what their evaluation code computes for `bam` (no SSMax) checkpoints. It
+    does not change the parameters; the fused kernels evaluate the inference form from a
+    table of its bias and train it with the blockwise backward.
 
     Other fields: `n_kv_heads` (None = n_heads) for grouped-query attention;
     `ssmax_prior_inside` puts the BAM prior inside the SSMax scaling (docs/spec.md section 4);
@@ -95,6 +103,7 @@ class ModelConfig:
     train_prior_alpha: bool = True
     train_prior_beta: bool = True
     train_prior_mu: bool = False
+    prior_form: str = "training"
     train_ssmax_scale: bool = True
     ssmax_prior_inside: bool = True
     ssmax_capped_layers: int = 0
@@ -146,6 +155,7 @@ class ModelConfig:
             )
         _check_init("prior_alpha_init", self.prior_alpha_init, ALPHA_INIT_MODES, positive=True)
         _check_init("prior_beta_init", self.prior_beta_init, BETA_INIT_MODES, positive=False)
+        check_ggd_form("prior_form", self.prior_form)
         if not _is_float32_number(self.prior_mu_init):
             raise ValueError(
                 f"prior_mu_init must be a finite float32 number, got {self.prior_mu_init!r}"

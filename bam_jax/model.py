@@ -124,7 +124,8 @@ class RMSNorm(nnx.Module):
 
 
 class AttentionPrior(nnx.Module):
-    """The GGD prior's per-head parameters theta_alpha, theta_beta, theta_mu, each [H]."""
+    """The GGD prior's per-head parameters theta_alpha, theta_beta, theta_mu, each [H], and
+    its form (`ModelConfig.prior_form`)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         initial = init_ggd_prior(
@@ -141,9 +142,12 @@ class AttentionPrior(nnx.Module):
             initial.theta_beta_H, config.train_prior_beta, PriorParam
         )
         self.theta_mu = _positional_variable(initial.theta_mu_H, config.train_prior_mu, PriorParam)
+        self.form = config.prior_form
 
     def __call__(self) -> GGDPrior:
-        return GGDPrior(self.theta_alpha[...], self.theta_beta[...], self.theta_mu[...])
+        return GGDPrior(
+            self.theta_alpha[...], self.theta_beta[...], self.theta_mu[...], form=self.form
+        )
 
 
 class Attention(nnx.Module):
@@ -190,8 +194,10 @@ class Attention(nnx.Module):
 
         `ssmax_max_count` caps SSMax's key count (`dot_product_attention`);
         `ssmax_scale_factor` multiplies the learned SSMax scale (training's SSMax jitter);
-        `prior_dilation` evaluates the BAM prior at that many times every distance
-        (training's prior dilation, `GGDPrior.dilated`)."""
+        `prior_dilation` (training's prior dilation) makes the layer see every distance that
+        many times longer: the BAM prior evaluated there (`GGDPrior.dilated`), ALiBi's slopes
+        times it (`AlibiPrior.dilated`), RoPE's rotation at that many times every position.
+        Sinusoidal embeddings are added before the layers (`LayerFactors`)."""
         cfg = self.config
         batch, length, _ = x_BxTxE.shape
         q_BxTxHxD = self.wq(x_BxTxE).reshape(batch, length, cfg.n_heads, cfg.head_dim)
@@ -200,6 +206,8 @@ class Attention(nnx.Module):
         offset = jnp.int32(0) if cache_length is None else cache_length
         if cfg.base_encoding in ("rope", "rope_local"):
             positions_T = offset + jnp.arange(length, dtype=jnp.int32)
+            if prior_dilation is not None:
+                positions_T = positions_T.astype(jnp.float32) * prior_dilation
             q_BxTxHxD = apply_rope(q_BxTxHxD, positions_T, theta=cfg.rope_theta)
             k_BxTxKxD = apply_rope(k_BxTxKxD, positions_T, theta=cfg.rope_theta)
         if kv is not None:
@@ -237,7 +245,8 @@ class Attention(nnx.Module):
     def _prior(self, prior: Prior | None, dilation: float | jax.Array | None) -> Prior | None:
         base = self.config.base_encoding
         if base == "alibi":
-            return alibi_prior(self.config.n_heads)
+            alibi = alibi_prior(self.config.n_heads)
+            return alibi if dilation is None else alibi.dilated(dilation)
         if base != "bam":
             return None
         if self.prior is not None:
@@ -252,8 +261,12 @@ class LayerFactors:
     """Per-layer factors that training draws to vary the attention it learns under (each
     [n_layers], or one layer's scalar inside the layer loop; None leaves that part as it is):
     `ssmax_scale_L` multiplies each layer's learned SSMax scale (`TrainConfig.ssmax_jitter`)
-    and `prior_dilation_L` evaluates each layer's BAM prior at that many times every
-    distance (`TrainConfig.prior_dilation`). Evaluation uses none."""
+    and `prior_dilation_L` makes each layer see every distance that many times longer
+    (`TrainConfig.prior_dilation`): the BAM prior evaluated at the longer distances, ALiBi's
+    slopes multiplied, RoPE rotating as if every position were that many times larger. A
+    sinusoidal model adds its position table once, before the first layer, so it takes the
+    largest factor for every position and, with local layers, refuses factors. NoPE has no
+    positions and refuses them. Evaluation uses none."""
 
     ssmax_scale_L: jax.Array | None = None
     prior_dilation_L: jax.Array | None = None
@@ -306,6 +319,22 @@ class TransformerBlock(nnx.Module):
             attended, kv = attended
         h_BxTxE = x_BxTxE + attended
         return h_BxTxE + self.feed_forward(self.ffn_norm(h_BxTxE)), kv
+
+
+def _check_dilated_encoding(config: ModelConfig) -> None:
+    """A ValueError unless the model has positions that a dilation can stretch."""
+    base = config.base_encoding
+    if base == "nope":
+        raise ValueError(
+            f"layer_factors.prior_dilation_L needs positions to dilate; {config.encoding!r} "
+            "(NoPE) has none"
+        )
+    if base == "sinusoidal" and config.local_layers:
+        raise ValueError(
+            f"layer_factors.prior_dilation_L: {config.encoding!r} adds its positions once, "
+            f"before every layer, so it cannot dilate the global layers apart from the "
+            f"local_layers={config.local_layers} local ones"
+        )
 
 
 def _apply_block(
@@ -448,6 +477,8 @@ class Transformer(nnx.Module):
             positions_T = jnp.arange(length, dtype=jnp.int32)
             if offset is not None:
                 positions_T = positions_T + offset
+            if layer_factors is not None and layer_factors.prior_dilation_L is not None:
+                positions_T = positions_T * jnp.max(layer_factors.prior_dilation_L)
             h_BxTxE = h_BxTxE + sinusoidal_embedding(
                 positions_T, cfg.dim, theta=cfg.sinusoidal_theta
             )
@@ -470,10 +501,8 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"layer_factors.ssmax_scale_L needs an SSMax encoding, got {cfg.encoding!r}"
             )
-        if factors.prior_dilation_L is not None and cfg.base_encoding != "bam":
-            raise ValueError(
-                f"layer_factors.prior_dilation_L needs a BAM encoding, got {cfg.encoding!r}"
-            )
+        if factors.prior_dilation_L is not None:
+            _check_dilated_encoding(cfg)
         for name in ("ssmax_scale_L", "prior_dilation_L"):
             factors_L = getattr(factors, name)
             if factors_L is not None and jnp.shape(factors_L) != (cfg.n_layers,):

@@ -24,7 +24,8 @@ Logits are formed in log2 units (softmax via exp2) and in float32. The GGD prior
 -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta and ALiBi -slope * |d| are evaluated
 per tile from positions (distances from float iotas, one log2 and one exp2 per GGD
 element, the saturation limit precomputed per head); nothing of size T x S is built.
-With `prior_table=True` (and for any other Prior) the prior is instead evaluated once per
+With `prior_table=True` (and for any other Prior, the GGD prior's inference form included)
+the prior is instead evaluated once per
 head on every distance, a table [H, S + T - 1] computed by `prior.bias` outside the
 kernel, and each tile reads its Toeplitz slice of it (a gather on GPU, a strided lane
 rotation on TPU): no transcendental per element for the prior. SSMax uses n_i, the
@@ -125,7 +126,8 @@ def pallas_attention(
     prior_reuse: on GPU with block_q a multiple of block_k, evaluate each GGD tile once
         and reuse it for the next query sub-block (see bam_jax/kernels/gpu.py).
     prior_table: read the prior from a per-head table over distances instead of
-        evaluating it per element; always on for priors other than GGD and ALiBi.
+        evaluating it per element; always on for priors other than GGD (training form) and
+        ALiBi.
     num_warps, num_stages: Triton launch parameters (None = GPU_DEFAULTS by head dim).
     debug: print the kernel's jaxpr and its Triton / Mosaic module when it is lowered.
     backward: "fused" (the Triton backward kernels, GPU only) or "blockwise"
@@ -230,8 +232,8 @@ def _resolve_backward(backend: Backend, backward: Backward | None, prior_kind: s
         )
     if backward == "fused" and prior_kind == "other":
         raise NotImplementedError(
-            "backward='fused' computes the gradients of GGDPrior and AlibiPrior only; use "
-            "backward='blockwise' (the default for other priors)"
+            "backward='fused' computes the gradients of GGDPrior (training form) and "
+            "AlibiPrior only; use backward='blockwise' (the default for other priors)"
         )
     return backward
 
@@ -296,7 +298,9 @@ def _reuse_splits(block_q: int, block_k: int) -> int:
 def _prior_kind(prior: Prior | None) -> Literal["none", "ggd", "alibi", "other"]:
     if prior is None:
         return "none"
-    if isinstance(prior, GGDPrior):
+    # The kernels compute the training form from the parameters; the inference form goes
+    # through its `bias`, as any other prior.
+    if isinstance(prior, GGDPrior) and prior.form == "training":
         return "ggd"
     if isinstance(prior, AlibiPrior):
         return "alibi"

@@ -3,6 +3,11 @@
 A prior is a small pytree of per-head parameters with a `bias(distance)` method that
 returns the float32 log-prior for relative distances `d = key_pos - query_pos`
 (d <= 0 under the causal mask). Attention adds it to the content logits.
+
+The GGD prior has two forms (`GGDPrior.form`, docs/spec.md section 2): "training",
+-exp(a) * (|d - mu| + eps) ** b, what the authors' models train with, and "inference",
+-(|d - mu| * exp(a) + eps) ** b, what their evaluation copy of the model without SSMax
+computes from the same parameters.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ GGD_EPS = 1e-5
 # once theta_beta < -6), and inf * log(1) or inf - inf is NaN on a document's first token and
 # in every gradient. A saturated key's prior weight is exp(-2 ** 100) = 0 either way.
 GGD_MAX_LOG2_MAGNITUDE = 100.0
+GGDForm = Literal["training", "inference"]
+GGD_FORMS: tuple[str, ...] = ("training", "inference")
 
 
 class Prior(Protocol):
@@ -35,30 +42,48 @@ class Prior(Protocol):
 
 @flax.struct.dataclass
 class GGDPrior:
-    """Generalized Gaussian prior: bias_h(d) = -exp(a_h) * (|d - mu_h| + eps) ** b_h.
+    """Generalized Gaussian prior, with a = theta_alpha, b = theta_beta, mu_h =
+    exp(theta_mu_h) - exp(-theta_mu_h) and eps = GGD_EPS:
 
-    mu_h = exp(theta_mu_h) - exp(-theta_mu_h). theta_beta is never clipped: zero or
-    negative shapes (priors that grow with distance) are legal. |bias| saturates at
+    form "training" (the default): bias_h(d) = -exp(a_h) * (|d - mu_h| + eps) ** b_h
+    form "inference": bias_h(d) = -(|d - mu_h| * exp(a_h) + eps) ** b_h
+
+    `form` is static (not a pytree leaf). theta_beta is never clipped: zero or negative
+    shapes (priors that grow with distance) are legal. |bias| saturates at
     2 ** GGD_MAX_LOG2_MAGNITUDE (where float32 would overflow), with zero gradient there.
     """
 
     theta_alpha_H: jax.Array
     theta_beta_H: jax.Array
     theta_mu_H: jax.Array
+    form: GGDForm = flax.struct.field(pytree_node=False, default="training")
+
+    def __post_init__(self) -> None:
+        check_ggd_form("form", self.form)
 
     @property
     def num_heads(self) -> int:
         return self.theta_alpha_H.shape[0]
 
     def bias(self, distance: jax.Array) -> jax.Array:
-        return ggd_bias(self.theta_alpha_H, self.theta_beta_H, self.theta_mu_H, distance)
+        return ggd_bias(
+            self.theta_alpha_H, self.theta_beta_H, self.theta_mu_H, distance, form=self.form
+        )
 
     def dilated(self, factor: float | jax.Array) -> GGDPrior:
-        """The prior seen at `factor` times every distance: exp(a_h) grows by factor ** b_h,
-        so local heads (b_h > 0) narrow and heads flat with distance (b_h <= 0) stay flat.
-        Exact for mu_h = 0, up to eps."""
-        theta_alpha_H = self.theta_alpha_H + self.theta_beta_H * jnp.log(factor)
-        return self.replace(theta_alpha_H=theta_alpha_H)
+        """The prior seen at `factor` times every distance.
+
+        Training form: exp(a_h) grows by factor ** b_h, so local heads (b_h > 0) narrow and
+        heads flat with distance (b_h <= 0) stay flat; exact for mu_h = 0, up to eps.
+        Inference form: exp(a_h) grows by factor and mu_h shrinks by it, which is exact, since
+        |factor * d - mu| * exp(a) = |d - mu / factor| * factor * exp(a)."""
+        log_factor = jnp.log(factor)
+        if self.form == "training":
+            return self.replace(theta_alpha_H=self.theta_alpha_H + self.theta_beta_H * log_factor)
+        mu_H = ggd_mu(jnp.asarray(self.theta_mu_H, jnp.float32)) / factor
+        return self.replace(
+            theta_alpha_H=self.theta_alpha_H + log_factor, theta_mu_H=jnp.arcsinh(mu_H / 2)
+        )
 
 
 @flax.struct.dataclass
@@ -66,6 +91,10 @@ class AlibiPrior:
     """ALiBi: bias_h(d) = -slope_h * |d|."""
 
     slopes_H: jax.Array
+
+    def dilated(self, factor: float | jax.Array) -> AlibiPrior:
+        """The prior seen at `factor` times every distance: every slope times `factor`."""
+        return self.replace(slopes_H=jnp.asarray(self.slopes_H, jnp.float32) * factor)
 
     @property
     def num_heads(self) -> int:
@@ -82,20 +111,35 @@ def ggd_bias(
     theta_beta_H: jax.Array,
     theta_mu_H: jax.Array,
     distance: jax.Array,
+    *,
+    form: GGDForm = "training",
 ) -> jax.Array:
-    """GGD log-prior in float32, shape [H, *distance.shape]."""
+    """GGD log-prior in float32, shape [H, *distance.shape], of either form (`GGDPrior`)."""
+    check_ggd_form("form", form)
     expand = (-1,) + (1,) * jnp.ndim(distance)
     alpha = jnp.asarray(theta_alpha_H, jnp.float32).reshape(expand)
     beta = jnp.asarray(theta_beta_H, jnp.float32).reshape(expand)
     theta_mu = jnp.asarray(theta_mu_H, jnp.float32).reshape(expand)
     mu = ggd_mu(theta_mu)
     d = jnp.asarray(distance, jnp.float32)[None]
-    gap = _abs_zero_subgradient(d - mu) + GGD_EPS
+    if form == "training":
+        gap = _abs_zero_subgradient(d - mu) + GGD_EPS
+        log2_coef = alpha * math.log2(math.e)
+    else:
+        gap = _abs_zero_subgradient(d - mu) * jnp.exp(alpha) + GGD_EPS
+        log2_coef = jnp.zeros_like(alpha)
     # Saturated entries take gap = 1 inside the power so that no inf reaches the gradient.
-    log2_magnitude = alpha * math.log2(math.e) + beta * jnp.log2(gap)
+    log2_magnitude = log2_coef + beta * jnp.log2(gap)
     saturated = jax.lax.stop_gradient(log2_magnitude > GGD_MAX_LOG2_MAGNITUDE)
-    bias = -jnp.exp(alpha) * jnp.power(jnp.where(saturated, 1.0, gap), beta)
+    power = jnp.power(jnp.where(saturated, 1.0, gap), beta)
+    bias = -jnp.exp(alpha) * power if form == "training" else -power
     return jnp.where(saturated, -(2.0**GGD_MAX_LOG2_MAGNITUDE), bias)
+
+
+def check_ggd_form(name: str, form: object) -> None:
+    """A ValueError naming `name` unless `form` is one of GGD_FORMS."""
+    if not isinstance(form, str) or form not in GGD_FORMS:
+        raise ValueError(f"{name} must be one of {GGD_FORMS}, got {form!r}")
 
 
 def ggd_mu(theta_mu: jax.Array) -> jax.Array:

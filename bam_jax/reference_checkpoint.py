@@ -11,10 +11,12 @@ Everything is validated before a model is built: a missing file, an unknown enco
 missing, unexpected or duplicated key and a wrong shape raise a ValueError that names the
 file, the key and what was expected.
 
-Where copies of the reference code disagree, docs/spec.md decides, so an imported
-model computes the GGD prior as -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta and,
-for bam_ssmax, adds the prior before the SSMax scaling ("prior inside"); older reference
-copies scale first (pass `ssmax_prior_inside=False` for that order).
+An imported model computes what the run was trained with. The GGD prior takes its
+training form, -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta; the authors' evaluation
+code computes -(|d - mu| * exp(theta_alpha) + eps) ** theta_beta for `bam` (no SSMax)
+runs, which `prior_form="inference"` reproduces (docs/spec.md section 2). For bam_ssmax,
+`model_args.ssmax_prior` (missing: true, the authors' default) decides whether the prior is
+added before the SSMax scaling (true, our `ssmax_prior_inside=True`) or after it.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ LOAD_OVERRIDES = (
     "remat",
     "scan_layers",
     "ssmax_prior_inside",
+    "prior_form",
 )
 
 PriorNaming = Literal["theta", "legacy"]
@@ -90,7 +93,9 @@ def load_reference_checkpoint(
     dtype: compute dtype of the model ("float32" or "bfloat16"; parameters stay float32).
     weights: "model.pt" or "model.npz"; by default the one present (an error if both are).
     overrides: ModelConfig fields that leave the parameters unchanged (LOAD_OVERRIDES),
-        e.g. attention_impl="blockwise" for long contexts or ssmax_prior_inside=False.
+        e.g. attention_impl="blockwise" for long contexts, ssmax_prior_inside (instead of
+        the run's `ssmax_prior`) or prior_form="inference" (the prior of the authors'
+        evaluation of `bam` runs).
     """
     run_dir = Path(run_dir)
     weights_path = _weights_path(run_dir, weights)
@@ -122,6 +127,8 @@ def read_reference_config(
         fields.update(_prior_fields(model_args, args_path))
     if encoding.endswith("_ssmax"):
         fields["train_ssmax_scale"] = _flag(model_args, "seq_scale", args_path, default=True)
+    if encoding == "bam_ssmax":
+        fields["ssmax_prior_inside"] = _ssmax_prior(model_args, args_path)
     if dtype is not None:
         fields["dtype"] = jnp.dtype(dtype).name
     unknown = sorted(set(overrides) - set(LOAD_OVERRIDES))
@@ -302,6 +309,8 @@ def reference_args(config: ModelConfig, *, prior_naming: PriorNaming = "theta") 
         model_args |= _reference_prior_args(config, prior_naming)
     if config.ssmax:
         model_args["seq_scale"] = config.train_ssmax_scale
+    if config.encoding == "bam_ssmax":
+        model_args["ssmax_prior"] = config.ssmax_prior_inside
     return {
         "args": {"position_encoding": TO_REFERENCE_ENCODING[config.encoding]},
         "model_args": model_args,
@@ -511,6 +520,17 @@ def _flag(model_args: dict, name: str, path: Path, *, default: bool) -> bool:
     if value in (0, 1):  # also matches False / True
         return bool(value)
     raise ValueError(f"{path}: model_args.{name} must be a bool, got {value!r}")
+
+
+def _ssmax_prior(model_args: dict, path: Path) -> bool:
+    """bam_ssmax's `ssmax_prior`: missing is the authors' default, true; null is false, as
+    their model reads it (`if self.ssmax_prior`)."""
+    if "ssmax_prior" not in model_args:
+        return True
+    value = model_args["ssmax_prior"]
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{path}: model_args.ssmax_prior must be true or false, got {value!r}")
+    return bool(value)
 
 
 def _init_value(

@@ -10,6 +10,13 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
   layer's SSMax jittered and its priors dilated in training, trained longer (5000 steps of
   32 prompts) at context 128, on the answer digits plus 16 random prompt positions per row
   (next-token prediction), with the passkey strings' share of the Mistral vocabulary.
+- quickstart_paper: the quick start's model size, data, steps, batch and learning rate
+  under the paper's protocol: every layer global, no SSMax jitter, cap or prior dilation,
+  and BAM's prior as the authors' train.py starts it (one prior for all layers, ALiBi
+  slopes, shape 1, location 0 and trained, every learning rate equal). With
+  `bam-quickstart --preset quickstart_paper --encodings
+  bam_ssmax,bam,alibi_ssmax,rope_ssmax,nope_ssmax --seed 0,1,2` it gives the comparison of
+  the paper's recipe at the quick start's scale.
 - quickstart_multikey: the quick start with half of its prompts multi-key (two needles
   with different nouns and keys, one asked for; bam_jax.retrieval).
 - quickstart_answer_loss: the quick start's first recipe (the README's recipe table): one
@@ -114,6 +121,26 @@ def quickstart() -> TrainConfig:
         ssmax_jitter=0.75,
         prior_dilation=500.0,
     )
+
+
+def quickstart_paper() -> TrainConfig:
+    """The quick start (model size, data, steps, batch, learning rate) under the paper's
+    protocol: all layers global, no SSMax jitter, cap or prior dilation, and the prior as
+    the authors' train.py starts BAM: one global prior, exp(theta_alpha) = the ALiBi slopes,
+    theta_beta = 1, theta_mu = 0 and trained, prior and SSMax learning rates equal to lr."""
+    cfg = quickstart()
+    model = cfg.model.replace(
+        local_layers=0,
+        local_window=None,
+        ssmax_capped_layers=0,
+        global_prior=True,
+        prior_alpha_init="slope",
+        prior_beta_init=1.0,
+        prior_mu_init=0.0,
+        train_prior_mu=True,
+    )
+    optim = dataclasses.replace(cfg.optim, prior_lr=cfg.optim.lr, ssmax_lr=cfg.optim.lr)
+    return cfg.replace(model=model, optim=optim, ssmax_jitter=0.0, prior_dilation=1.0)
 
 
 def quickstart_multikey() -> TrainConfig:
@@ -224,6 +251,7 @@ def _paper_preset(size: str, context: int) -> Callable[[], TrainConfig]:
 TRAINING_PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
     "quickstart": quickstart,
+    "quickstart_paper": quickstart_paper,
     "quickstart_multikey": quickstart_multikey,
     "quickstart_answer_loss": quickstart_answer_loss,
     "micro": micro,

@@ -97,6 +97,7 @@ def prior_curves(
                 np.float32([r["theta_beta"]]),
                 np.float32([r["theta_mu"]]),
                 -distance.astype(np.float32),
+                form=config.prior_form,
             )[0]
         else:
             bias = -r["alibi_slope"] * distance

@@ -19,7 +19,7 @@ from bam_configs.presets import preset
 from bam_eval import api
 from bam_eval import plots as plot_lib
 from bam_jax.logs import log_to_stdout
-from bam_train.config import TrainConfig
+from bam_train.config import TrainConfig, prior_dilation_problem
 from bam_train.loop import train
 from bam_train.signals import INTERRUPTED_STATUS
 
@@ -34,19 +34,27 @@ def quickstart_config(
     seed: int = 0,
 ) -> TrainConfig:
     """A preset (default `quickstart`) with another encoding, step count or seed (the seed
-    draws the model's initialisation and the training data). Encodings without SSMax drop
-    the preset's SSMax cap (`ssmax_capped_layers`) and jitter (`ssmax_jitter`), encodings
-    without BAM's prior its prior dilation (`prior_dilation`); the others keep them."""
+    draws the model's initialisation and the training data).
+
+    Every encoding gets each of the preset's options that has an analogue for it and drops
+    the others: the SSMax cap (`ssmax_capped_layers`) and jitter (`ssmax_jitter`) go to
+    every SSMax encoding (the jitter only where some layer's SSMax count grows with the
+    prompt); the prior dilation (`prior_dilation`) to every encoding with positions to
+    stretch in a global layer (BAM, ALiBi, RoPE, and sinusoidal without local layers;
+    `bam_train.config.prior_dilation_problem` says why not elsewhere). The prior's options
+    (its initialisation, one prior or one per layer, `optim.prior_lr`) only exist for BAM.
+    """
     cfg = preset(preset_name)
     ssmax = encoding.endswith("_ssmax")
     model = cfg.model.replace(
         encoding=encoding, ssmax_capped_layers=cfg.model.ssmax_capped_layers if ssmax else 0
     )
+    jitter = ssmax and any(model.ssmax_growing_layers())
     cfg = cfg.replace(
         model=model,
         seed=seed,
-        ssmax_jitter=cfg.ssmax_jitter if ssmax else 0.0,
-        prior_dilation=cfg.prior_dilation if model.base_encoding == "bam" else 1.0,
+        ssmax_jitter=cfg.ssmax_jitter if jitter else 0.0,
+        prior_dilation=1.0 if prior_dilation_problem(model) else cfg.prior_dilation,
     )
     return cfg if steps is None else cfg.replace(steps=steps)
 
@@ -68,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--preset",
         default="quickstart",
-        help="training preset of every run (configs/presets.py; e.g. quickstart_answer_loss)",
+        help="training preset of every run (configs/presets.py; e.g. quickstart_paper, the "
+        "paper's protocol at the quick start's scale)",
     )
     parser.add_argument("--steps", type=int, default=None, help="training steps")
     parser.add_argument(

@@ -5,13 +5,16 @@ It reads a state dict in the reference (torch) layout, docs/spec.md section 8: L
 prefixes, and the `args.json` dictionary of a reference run directory. It follows the
 reference models step by step (RMSNorm, SwiGLU, complex-pair RoPE, sinusoidal table
 with the odd-index cosine frequency, ALiBi slopes, GGD prior, SSMax with n_i counted
-inside the document), with two deliberate departures where docs/spec.md says the stored
-reference code is inconsistent:
+inside the document). Where the authors' files differ:
 
-- GGD form: bias = -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta (docs/spec.md).
-  Some copies of the reference compute -((|d - mu| * exp(theta_alpha)) + eps) ** theta_beta.
-- bam_ssmax: the prior is added before the SSMax scaling ("prior inside", docs/spec.md section 4,
-  the default). Older copies add it after. `ssmax_prior_inside=False` gives that order.
+- GGD form: their training models (models/bam.py, models/bam_ssmax.py) and their SSMax
+  evaluation model (inference_models/bam_ssmax.py) compute bias = -exp(theta_alpha) *
+  (|d - mu| + eps) ** theta_beta, the default here (`prior_form="training"`); their
+  evaluation model without SSMax (inference_models/bam.py) computes
+  -(|d - mu| * exp(theta_alpha) + eps) ** theta_beta (`prior_form="inference"`).
+- bam_ssmax: `model_args.ssmax_prior` (missing: true) adds the prior before the SSMax
+  scaling (true) or after it (false), in their training and evaluation models alike;
+  `ssmax_prior_inside` overrides it.
 
 Everything is computed in `dtype` (float64 by default), so the oracle is more precise
 than the float32 models it checks.
@@ -103,8 +106,10 @@ def apply_rope(x_BxTxHxD: np.ndarray, theta: float) -> np.ndarray:
     return out
 
 
-def ggd_bias(prior: Mapping[str, np.ndarray], t: int, dtype: Any) -> np.ndarray:
-    """[H, T, S] (S = T) spec-form GGD log-prior for distance d = j - i."""
+def ggd_bias(
+    prior: Mapping[str, np.ndarray], t: int, dtype: Any, form: str = "training"
+) -> np.ndarray:
+    """[H, T, S] (S = T) GGD log-prior for distance d = j - i, of either form."""
     alpha, beta, theta_mu = (
         np.asarray(prior[name], dtype).reshape(-1, 1, 1)
         for name in ("theta_alpha", "theta_beta", "theta_mu")
@@ -112,6 +117,8 @@ def ggd_bias(prior: Mapping[str, np.ndarray], t: int, dtype: Any) -> np.ndarray:
     pos = np.arange(t, dtype=dtype)
     d_TxS = pos[None, :] - pos[:, None]
     mu = np.exp(theta_mu) - np.exp(-theta_mu)
+    if form == "inference":
+        return -((np.abs((d_TxS[None] - mu) * np.exp(alpha)) + GGD_EPS) ** beta)
     return -np.exp(alpha) * (np.abs(d_TxS[None] - mu) + GGD_EPS) ** beta
 
 
@@ -146,9 +153,14 @@ def reference_forward(
     seq_codes_BxT: np.ndarray | None = None,
     *,
     dtype: Any = np.float64,
-    ssmax_prior_inside: bool = True,
+    ssmax_prior_inside: bool | None = None,
+    prior_form: str = "training",
 ) -> np.ndarray:
-    """Logits [B, T, vocab] of the reference model described by `run_args` (args.json)."""
+    """Logits [B, T, vocab] of the reference model described by `run_args` (args.json).
+
+    ssmax_prior_inside: None follows `model_args.ssmax_prior` as the authors' code does.
+    prior_form: "training" or "inference" (the module docstring says which file has which).
+    """
     encoding = run_args["args"]["position_encoding"]
     if encoding not in REFERENCE_ENCODINGS:
         raise ValueError(f"unknown position_encoding {encoding!r}")
@@ -160,6 +172,8 @@ def reference_forward(
     n_kv_heads = margs.get("n_kv_heads") or n_heads
     head_dim = dim // n_heads
     eps = margs.get("norm_eps", 1e-5)
+    if ssmax_prior_inside is None:
+        ssmax_prior_inside = bool(margs.get("ssmax_prior", True))
 
     h = params["tok_embeddings.weight"][tokens]
     if encoding.startswith("sinusoidal"):
@@ -171,9 +185,9 @@ def reference_forward(
 
     def layer_prior(prefix: str) -> np.ndarray:
         keys = ("theta_alpha", "theta_beta", "theta_mu")
-        if f"{prefix}prior.theta_alpha" in params:
-            return ggd_bias({k: params[f"{prefix}prior.{k}"] for k in keys}, t, dtype)
-        return ggd_bias({k: params[f"prior.{k}"] for k in keys}, t, dtype)
+        if f"{prefix}prior.theta_alpha" not in params:
+            prefix = ""
+        return ggd_bias({k: params[f"{prefix}prior.{k}"] for k in keys}, t, dtype, prior_form)
 
     for layer in range(margs["n_layers"]):
         p = f"layers.{layer}."

@@ -109,6 +109,12 @@ def test_gradients_match_reference(case: Case) -> None:
     check_gradients(case, "cpu")
 
 
+def test_the_inference_form_of_the_ggd_prior_goes_through_its_bias() -> None:
+    case = Case(q_len=70, offset=5, prior="ggd_inference", ssmax=True, theta_mu=0.4, batch=1)
+    check_values(case, "cpu")
+    check_gradients(case, "cpu")
+
+
 def test_implementation_pallas_on_cpu_is_the_cpu_kernel() -> None:
     case = VALUE_CASES["chunked_prefill_alibi_ssmax_outside"]
     inputs = make_inputs(case)

@@ -1,6 +1,6 @@
 """Training's per-layer factors: SSMax jitter (scale factors per micro-batch for the uncapped
-SSMax layers) and prior dilation (distance factors for the global layers' BAM priors), and the
-model's forward under them."""
+SSMax layers) and prior dilation (distance factors for the global layers' positions: BAM and
+ALiBi priors, RoPE and sinusoidal positions), and the model's forward under them."""
 
 import dataclasses
 import math
@@ -12,9 +12,11 @@ import pytest
 from flax import nnx
 
 from bam_configs.presets import preset
+from bam_jax.attention import dot_product_attention
 from bam_jax.config import ModelConfig
-from bam_jax.model import LayerFactors, Transformer
-from bam_jax.priors import GGDPrior
+from bam_jax.model import Attention, LayerFactors, Transformer
+from bam_jax.positional import apply_rope, sinusoidal_embedding
+from bam_jax.priors import GGDPrior, alibi_slopes
 from bam_train.config import TrainConfig
 from bam_train.data import train_iterator
 from bam_train.setup import build
@@ -94,7 +96,8 @@ def test_factors_of_the_wrong_shape_are_refused(field):
     "encoding, field, message",
     [
         ("bam", "ssmax_scale_L", "needs an SSMax encoding"),
-        ("alibi_ssmax", "prior_dilation_L", "needs a BAM encoding"),
+        ("nope_ssmax", "prior_dilation_L", r"needs positions to dilate; 'nope_ssmax' \(NoPE\)"),
+        ("nope", "prior_dilation_L", r"\(NoPE\) has none"),
     ],
 )
 def test_factors_for_a_part_the_model_lacks_are_refused(encoding, field, message):
@@ -126,12 +129,16 @@ def first_step_loss(cfg: TrainConfig) -> float:
     return float(metrics["loss"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "option, model_changes",
     [
-        ({"ssmax_jitter": 0.5}, {"ssmax_capped_layers": 1}),
-        ({"prior_dilation": 500.0}, {"prior_beta_init": "linear"}),
+        pytest.param({"ssmax_jitter": 0.5}, {"ssmax_capped_layers": 1}, marks=pytest.mark.slow),
+        pytest.param(
+            {"prior_dilation": 500.0}, {"prior_beta_init": "linear"}, marks=pytest.mark.slow
+        ),
+        ({"prior_dilation": 500.0}, {"encoding": "alibi"}),
+        pytest.param({"prior_dilation": 500.0}, {"encoding": "rope"}, marks=pytest.mark.slow),
+        pytest.param({"prior_dilation": 500.0}, {"encoding": "sinusoidal"}, marks=pytest.mark.slow),
     ],
 )
 def test_a_train_step_with_factors_runs_and_differs_from_one_without(option, model_changes):
@@ -218,13 +225,91 @@ def test_a_dilation_stretches_a_global_prior_in_each_layer_it_reaches():
     np.testing.assert_allclose(dilated, expected, rtol=2e-5, atol=2e-5)
 
 
+def attention_under_dilation(config: ModelConfig, dilation: float) -> tuple[jax.Array, ...]:
+    """(the layer's output with `prior_dilation`, its q, k, v projections of the same input)."""
+    attention = Attention(config, rngs=nnx.Rngs(0))
+    x_BxTxE = jax.random.normal(jax.random.key(2), (2, 40, config.dim), jnp.float32)
+    out_BxTxE = attention(x_BxTxE, prior_dilation=dilation)
+    heads = (2, 40, config.n_heads, config.head_dim)
+    qkv = (attention.wq(x_BxTxE), attention.wk(x_BxTxE), attention.wv(x_BxTxE))
+    return out_BxTxE, attention, *(y.reshape(heads) for y in qkv)
+
+
+def test_dilated_alibi_is_alibi_at_dilated_distances():
+    config = MODEL.replace(encoding="alibi", ssmax_capped_layers=0)
+    out_BxTxE, attention, q, k, v = attention_under_dilation(config, 30.0)
+    slopes_H = jnp.asarray(alibi_slopes(config.n_heads))
+    distant = AlibiAtDistance(slopes_H, 30.0)
+    expected = dot_product_attention(q, k, v, prior=distant, implementation="reference")
+    np.testing.assert_allclose(
+        out_BxTxE, attention.wo(expected.reshape(2, 40, -1)), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_dilated_rope_rotates_at_dilated_positions():
+    config = MODEL.replace(encoding="rope_ssmax", ssmax_capped_layers=0)
+    out_BxTxE, attention, q, k, v = attention_under_dilation(config, 7.5)
+    positions_T = 7.5 * jnp.arange(40, dtype=jnp.float32)
+    q, k = (apply_rope(y, positions_T, theta=config.rope_theta) for y in (q, k))
+    expected = dot_product_attention(
+        q, k, v, ssmax_scale_H=attention.seq_scale[...], implementation="reference"
+    )
+    np.testing.assert_allclose(
+        out_BxTxE, attention.wo(expected.reshape(2, 40, -1)), rtol=1e-5, atol=1e-5
+    )
+    undilated = Attention(config, rngs=nnx.Rngs(0))(
+        jax.random.normal(jax.random.key(2), (2, 40, config.dim), jnp.float32)
+    )
+    assert np.abs(np.asarray(out_BxTxE) - np.asarray(undilated)).max() > 1e-4
+
+
+class AlibiAtDistance:
+    """ALiBi written from its definition at `factor` times every distance."""
+
+    def __init__(self, slopes_H: jax.Array, factor: float):
+        self.slopes_H, self.factor = slopes_H, factor
+
+    @property
+    def num_heads(self) -> int:
+        return self.slopes_H.shape[0]
+
+    def bias(self, distance: jax.Array) -> jax.Array:
+        d = jnp.asarray(distance, jnp.float32)
+        return -self.slopes_H.reshape((-1,) + (1,) * d.ndim) * jnp.abs(self.factor * d)[None]
+
+
+def test_dilated_sinusoidal_positions_reach_the_first_layer():
+    config = MODEL.replace(encoding="sinusoidal", ssmax_capped_layers=0)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    tokens_BxT = jax.random.randint(jax.random.key(1), (2, 24), 0, config.vocab_size)
+    factors = LayerFactors(prior_dilation_L=jnp.full((3,), 4.0, jnp.float32))
+    dilated = model.hidden_states(tokens_BxT, layer_factors=factors)
+    embedded = model.tok_embeddings(tokens_BxT) + sinusoidal_embedding(
+        4.0 * jnp.arange(24, dtype=jnp.float32), config.dim, theta=config.sinusoidal_theta
+    )
+    h_BxTxE = embedded
+    for block in model.layers:
+        h_BxTxE, _ = block(h_BxTxE, None, None, None, None)
+    np.testing.assert_allclose(dilated, model.norm(h_BxTxE), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot dilate the global layers apart"):
+        Transformer(config.replace(local_layers=1), rngs=nnx.Rngs(0)).hidden_states(
+            tokens_BxT, layer_factors=factors
+        )
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
         ({"prior_dilation": 0.5}, r"prior_dilation must be in \[1, 1e\+06\]"),
         ({"prior_dilation": float("inf")}, "prior_dilation"),
-        ({"model": MODEL.replace(encoding="alibi_ssmax")}, "needs a BAM encoding"),
-        ({"model": MODEL.replace(local_layers=3)}, r"all 3 are windowed \(model.local_layers\)"),
+        ({"model": MODEL.replace(encoding="nope_ssmax")}, r"\(NoPE\) has none, so the dilation"),
+        ({"model": MODEL.replace(encoding="nope", ssmax_capped_layers=0)}, "no analogue"),
+        (
+            {"model": MODEL.replace(encoding="sinusoidal_ssmax", local_layers=1)},
+            r"adds its positions once, before every layer, local ones included",
+        ),
+        ({"model": MODEL.replace(encoding="rope_local", ssmax_capped_layers=0)}, "all 3 are win"),
+        ({"model": MODEL.replace(local_layers=3)}, r"all 3 are windowed \(model.local_layers"),
     ],
 )
 def test_bad_dilation_settings_name_the_field(changes, message):

@@ -33,7 +33,7 @@ class Case:
     q_len: int
     kv_len: int | None = None  # None: q_len + offset
     offset: int = 0
-    prior: str | None = "ggd"  # "ggd", "alibi" or None
+    prior: str | None = "ggd"  # "ggd", "ggd_inference" (its inference form), "alibi" or None
     theta_mu: float = 0.0
     betas: tuple[float, ...] = BETAS
     documents: bool = False
@@ -67,7 +67,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
         "q_seg": None,
         "k_seg": None,
     }
-    if case.prior == "ggd":
+    if case.prior in ("ggd", "ggd_inference"):
         betas = np.resize(np.asarray(case.betas, np.float32), case.heads)
         mus = np.full(case.heads, case.theta_mu, np.float32)
         mus[0] = 0.0
@@ -75,6 +75,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
             theta_alpha_H=jnp.asarray(np.log(rng.uniform(0.05, 0.6, case.heads)), jnp.float32),
             theta_beta_H=jnp.asarray(betas),
             theta_mu_H=jnp.asarray(mus),
+            form="inference" if case.prior == "ggd_inference" else "training",
         )
     elif case.prior == "alibi":
         inputs["prior"] = AlibiPrior(jnp.asarray(alibi_slopes(case.heads)))
@@ -338,6 +339,13 @@ def test_any_prior_reads_from_the_table(backend: str) -> None:
     got = jax.grad(functools.partial(loss, lambda i: run_kernel(case, backend, i)))(prior.weight_H)
     want = jax.grad(functools.partial(loss, lambda i: run_reference(case, i)))(prior.weight_H)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_inference_form_of_the_ggd_prior_reads_from_the_table() -> None:
+    case = Case(q_len=40, offset=9, prior="ggd_inference", ssmax=True, theta_mu=0.4)
+    check_values(case, "gpu")
+    check_gradients(case, "gpu")
 
 
 @pytest.mark.parametrize("prior_table", [pytest.param(False, marks=pytest.mark.slow), True])

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bam_jax.config import ModelConfig
 from bam_jax.priors import (
     GGD_EPS,
     GGD_MAX_LOG2_MAGNITUDE,
@@ -148,6 +149,102 @@ def test_theta_mu_gradient_is_zero_at_the_kink_and_analytic_elsewhere() -> None:
     np.testing.assert_allclose(float(jax.grad(bias_at)(theta_mu, d)[0]), expected, rtol=1e-5)
 
 
+# Heads: theta_mu 0 (the kink on d = 0), a negative shape, a large scale with shape above 1.
+INFERENCE_PARAMS = {
+    "theta_alpha": np.array([0.3, -1.2, 2.0]),
+    "theta_beta": np.array([-0.6, -2.5, 1.7]),
+    "theta_mu": np.array([0.0, 0.4, -0.3]),
+}
+
+
+def inference_bias_and_grads(d: np.ndarray) -> tuple[np.ndarray, ...]:
+    """float64 -(|d - mu| e^a + eps)^b and its derivatives in theta_alpha, theta_beta,
+    theta_mu, each [H, X] (the derivative of |z| taken as 0 at z = 0)."""
+    a, b, t = (INFERENCE_PARAMS[k][:, None] for k in ("theta_alpha", "theta_beta", "theta_mu"))
+    z = d[None] - (np.exp(t) - np.exp(-t))
+    gap = np.abs(z) * np.exp(a) + GGD_EPS
+    bias = -(gap**b)
+    d_alpha = -b * gap ** (b - 1) * np.abs(z) * np.exp(a)
+    d_beta = bias * np.log(gap)
+    d_theta_mu = b * gap ** (b - 1) * np.exp(a) * np.sign(z) * (np.exp(t) + np.exp(-t))
+    return bias, d_alpha, d_beta, d_theta_mu
+
+
+def test_inference_form_values_and_gradients_against_float64() -> None:
+    params = [jnp.asarray(v, jnp.float32) for v in INFERENCE_PARAMS.values()]
+    bias = GGDPrior(*params, form="inference").bias(DISTANCES)
+    expected, *expected_grads = inference_bias_and_grads(np.asarray(DISTANCES, np.float64))
+    assert bias.dtype == jnp.float32 and bias.shape == (3, DISTANCES.shape[0])
+    np.testing.assert_allclose(np.asarray(bias), expected, rtol=2e-6)
+
+    def bias_of(alpha, beta, theta_mu):
+        return GGDPrior(alpha, beta, theta_mu, form="inference").bias(DISTANCES)
+
+    jacobians = jax.jacobian(bias_of, argnums=(0, 1, 2))(*params)
+    for jacobian_HxXxH, want_HxX in zip(jacobians, expected_grads, strict=True):
+        got_HxX = np.einsum("hxh->hx", np.asarray(jacobian_HxXxH))
+        np.testing.assert_allclose(got_HxX, want_HxX, rtol=2e-5, atol=1e-12)
+
+
+def test_inference_form_differs_from_the_training_form() -> None:
+    params = [jnp.asarray(v, jnp.float32) for v in INFERENCE_PARAMS.values()]
+    training = GGDPrior(*params).bias(DISTANCES)
+    inference = GGDPrior(*params, form="inference").bias(DISTANCES)
+    assert not np.allclose(np.asarray(training), np.asarray(inference), rtol=1e-3)
+    np.testing.assert_array_equal(
+        np.asarray(ggd_bias(*params, DISTANCES, form="inference")), np.asarray(inference)
+    )
+
+
+@pytest.mark.parametrize("beta", [-8.0, -30.0])
+def test_inference_form_saturates_instead_of_overflowing(beta: float) -> None:
+    alpha = 0.3
+    params = (jnp.full((1,), alpha), jnp.full((1,), beta), jnp.zeros((1,)))
+    bias = np.asarray(ggd_bias(*params, DISTANCES, form="inference"))[0]
+    d = np.abs(np.asarray(DISTANCES, np.float64))
+    expected = -((d * math.exp(alpha) + GGD_EPS) ** beta)
+    saturated = np.abs(expected) >= 2.0**GGD_MAX_LOG2_MAGNITUDE
+    assert saturated.any() and not saturated.all()
+    np.testing.assert_array_equal(bias[saturated], -(2.0**GGD_MAX_LOG2_MAGNITUDE))
+    np.testing.assert_allclose(bias[~saturated], expected[~saturated], rtol=1e-6, atol=1e-30)
+    grads = jax.grad(
+        lambda *p: jnp.sum(ggd_bias(*p, DISTANCES, form="inference")), argnums=(0, 1, 2)
+    )(*params)
+    for grad in grads:
+        assert np.all(np.isfinite(np.asarray(grad)))
+
+
+def test_dilated_inference_form_is_the_prior_at_dilated_distances() -> None:
+    params = [jnp.asarray(v, jnp.float32) for v in INFERENCE_PARAMS.values()]
+    prior = GGDPrior(*params, form="inference")
+    for factor in (1.0, 3.0, 250.0):
+        dilated = prior.dilated(factor)
+        assert dilated.form == "inference"
+        np.testing.assert_allclose(
+            np.asarray(dilated.bias(DISTANCES)),
+            np.asarray(prior.bias(factor * DISTANCES)),
+            rtol=2e-5,
+        )
+
+
+def test_dilated_alibi_is_alibi_at_dilated_distances() -> None:
+    prior = AlibiPrior(jnp.asarray(alibi_slopes(4)))
+    for factor in (1.0, 3.0, 250.0):
+        np.testing.assert_allclose(
+            np.asarray(prior.dilated(factor).bias(DISTANCES)),
+            np.asarray(prior.bias(factor * DISTANCES)),
+            rtol=1e-6,
+        )
+
+
+def test_an_unknown_form_is_refused() -> None:
+    zeros = jnp.zeros((2,), jnp.float32)
+    with pytest.raises(ValueError, match=r"form must be one of \('training', 'inference'\)"):
+        GGDPrior(zeros, zeros, zeros, form="sampled")
+    with pytest.raises(ValueError, match="form must be one of"):
+        ggd_bias(zeros, zeros, zeros, DISTANCES, form="eval")
+
+
 def test_ggd_prior_is_a_jittable_pytree() -> None:
     prior = init_ggd_prior(4, alpha_init="slope", beta_init="linear")
     assert len(jax.tree.leaves(prior)) == 3
@@ -215,3 +312,15 @@ def test_every_preset_builds_a_finite_prior(name: str) -> None:
 def test_init_rejects_bad_options(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         init_ggd_prior(4, **kwargs)
+
+
+def test_the_prior_curves_of_bam_eval_follow_the_model_s_form() -> None:
+    from bam_eval.prior_inspect import prior_curves
+
+    row = {"layer": 0, "head": 0, "class": "retrieval"}
+    row |= {name: float(values[1]) for name, values in INFERENCE_PARAMS.items()}
+    config = ModelConfig.of_size("nano", encoding="bam", prior_form="inference")
+    (curve,) = prior_curves(config, [row], max_distance=100, points=20)
+    prior = GGDPrior(*(jnp.float32([row[name]]) for name in INFERENCE_PARAMS), form="inference")
+    expected = prior.bias(-jnp.asarray(curve["distance"], jnp.float32))[0]
+    np.testing.assert_allclose(curve["bias"], np.asarray(expected), rtol=1e-6)

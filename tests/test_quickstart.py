@@ -1,10 +1,12 @@
 """The quick start path: train -> checkpoint -> passkey sweep -> table and figures."""
 
+import dataclasses
 import json
 import os
 
 import pytest
 
+from bam_configs.presets import preset
 from bam_eval import api
 from bam_quickstart import run
 from bam_quickstart.run import main, quickstart_config
@@ -40,10 +42,39 @@ def test_quickstart_config_is_the_headline_model():
     no_ssmax = quickstart_config("bam")
     assert no_ssmax.ssmax_jitter == 0 and no_ssmax.model.ssmax_capped_layers == 0
     assert cfg.prior_dilation > 1 and no_ssmax.prior_dilation == cfg.prior_dilation
-    assert quickstart_config("alibi_ssmax").prior_dilation == 1.0
+    for encoding in ("alibi", "alibi_ssmax", "rope", "rope_ssmax"):
+        assert quickstart_config(encoding).prior_dilation == cfg.prior_dilation, encoding
+    # No positions (NoPE), the table reaching the local layer too (sinusoidal), no global layer.
+    for encoding in ("nope", "nope_ssmax", "sinusoidal", "sinusoidal_ssmax", "rope_local"):
+        assert quickstart_config(encoding).prior_dilation == 1.0, encoding
+    assert quickstart_config("nope_ssmax").ssmax_jitter == cfg.ssmax_jitter
     assert cfg.model.layer_windows() == (16, None)
     assert no_ssmax.model.layer_windows() == cfg.model.layer_windows()
     assert cfg.model.ssmax_growing_layers() == (False, True)
+
+
+def test_quickstart_paper_is_the_quick_start_under_the_paper_s_protocol():
+    quick, paper = preset("quickstart"), preset("quickstart_paper")
+    changed_model = {
+        "local_layers": 0,
+        "local_window": None,
+        "ssmax_capped_layers": 0,
+        "global_prior": True,
+        "prior_alpha_init": "slope",
+        "prior_beta_init": 1.0,
+        "prior_mu_init": 0.0,
+        "train_prior_mu": True,
+    }
+    assert paper.model == quick.model.replace(**changed_model)
+    lr = quick.optim.lr
+    assert paper.optim == dataclasses.replace(quick.optim, prior_lr=lr, ssmax_lr=lr)
+    assert paper == quick.replace(
+        model=paper.model, optim=paper.optim, ssmax_jitter=0.0, prior_dilation=1.0
+    )
+    assert paper.model.global_layers() == (True, True)
+    for encoding in ("bam_ssmax", "bam", "alibi_ssmax", "rope_ssmax", "nope_ssmax"):
+        cfg = quickstart_config(encoding, preset_name="quickstart_paper")
+        assert (cfg.ssmax_jitter, cfg.prior_dilation) == (0.0, 1.0), encoding
 
 
 def test_a_run_stopped_by_sigterm_is_not_evaluated(tmp_path, monkeypatch, capsys):

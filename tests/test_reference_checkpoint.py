@@ -288,6 +288,51 @@ def test_load_options(runs, tmp_path):
         load_reference_checkpoint(run_dir, dim=64)
 
 
+def test_ssmax_prior_false_scales_the_content_before_adding_the_prior(runs, tmp_path):
+    _, run_args, state = runs["bam_ssmax-layer-theta"]
+    run_args = json.loads(json.dumps(run_args))
+    run_args["model_args"]["ssmax_prior"] = False
+    run_dir = write_run(tmp_path / "outside", run_args, state)
+    config, model = load_reference_checkpoint(run_dir)
+    assert not config.ssmax_prior_inside
+    tokens = _tokens()
+    expected = reference_forward(state, run_args, tokens, SEQ_CODES_BxT)
+    np.testing.assert_allclose(_logits(model, tokens, SEQ_CODES_BxT), expected, atol=TOL, rtol=0)
+    inside = reference_forward(state, run_args, tokens, SEQ_CODES_BxT, ssmax_prior_inside=True)
+    assert np.max(np.abs(expected - inside)) > 100 * TOL
+
+    export_reference_checkpoint(model, config, tmp_path / "again", fmt="npz")
+    assert (
+        json.loads((tmp_path / "again" / "args.json").read_text())["model_args"]["ssmax_prior"]
+        is False
+    )
+    assert not load_reference_checkpoint(tmp_path / "again")[0].ssmax_prior_inside
+    assert load_reference_checkpoint(run_dir, ssmax_prior_inside=True)[0].ssmax_prior_inside
+
+
+def test_ssmax_prior_must_be_a_bool(runs, tmp_path):
+    run_args, state, run_dir = _broken_run(runs, tmp_path)
+    run_args["model_args"]["ssmax_prior"] = "yes"
+    write_run(run_dir, run_args, state)
+    with pytest.raises(ValueError, match=r"args\.json: model_args\.ssmax_prior must be true or"):
+        load_reference_checkpoint(run_dir)
+
+
+@pytest.mark.parametrize("name", ["bam-global-theta", "bam-layer-legacy"])
+def test_inference_prior_form_gives_the_authors_evaluation_logits(name, runs):
+    run_dir, run_args, state = runs[name]
+    config, model = load_reference_checkpoint(run_dir, prior_form="inference")
+    assert config.prior_form == "inference"
+    tokens = _tokens()
+    expected = reference_forward(state, run_args, tokens, SEQ_CODES_BxT, prior_form="inference")
+    np.testing.assert_allclose(_logits(model, tokens, SEQ_CODES_BxT), expected, atol=TOL, rtol=0)
+    training = reference_forward(state, run_args, tokens, SEQ_CODES_BxT)
+    assert np.max(np.abs(expected - training)) > 100 * TOL
+    assert load_reference_checkpoint(run_dir)[0].prior_form == "training"
+    with pytest.raises(ValueError, match=r"prior_form must be one of \('training', 'inference'"):
+        load_reference_checkpoint(run_dir, prior_form="evaluation")
+
+
 def test_exported_args_are_readable_by_the_reference(runs, tmp_path):
     config, model = load_reference_checkpoint(runs["bam_ssmax-layer-legacy"][0])
     export_reference_checkpoint(model, config, tmp_path, fmt="npz")

@@ -105,6 +105,28 @@ class MeshConfig:
         return sizes  # type: ignore[return-value]
 
 
+def prior_dilation_problem(model: ModelConfig) -> str | None:
+    """Why `TrainConfig.prior_dilation` cannot apply to `model`, or None where it can."""
+    if model.base_encoding == "nope":
+        return (
+            f"stretches positions, and model.encoding={model.encoding!r} (NoPE) has none, so "
+            "the dilation has no analogue there; set prior_dilation=1"
+        )
+    if model.base_encoding == "sinusoidal" and model.local_layers:
+        return (
+            f"applies to the global layers, but model.encoding={model.encoding!r} adds its "
+            "positions once, before every layer, local ones included "
+            f"(model.local_layers={model.local_layers}); set prior_dilation=1 or "
+            "model.local_layers=0"
+        )
+    if not any(model.global_layers()):
+        return (
+            f"applies to the global layers, but all {model.n_layers} are windowed "
+            "(model.local_layers, rope_local)"
+        )
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """One training run. The sequence length is `model.max_seq_len`.
@@ -122,12 +144,17 @@ class TrainConfig:
     win by margins that still hold when SSMax sharpens the logits by log(n) at many times
     the training length.
 
-    `prior_dilation` (BAM encodings; 1 = off) evaluates the prior of every global layer (not
-    windowed by `model.local_layers`) at u times every distance, u drawn log-uniformly from
-    [1, prior_dilation] for each micro-batch of each step (evaluation uses 1;
-    `bam_jax.GGDPrior.dilated`): local heads narrow and flat heads stay flat, as when the
+    `prior_dilation` (1 = off) makes every global layer (not windowed by
+    `model.local_layers`) see every distance u times longer, u drawn log-uniformly from
+    [1, prior_dilation] for each micro-batch of each step (evaluation uses 1), as when the
     same tokens lie u times further apart, so the model cannot rely on a head that reaches
-    the needle at the training length only because the prompt is short.
+    the needle at the training length only because the prompt is short. Per encoding: BAM
+    evaluates its prior at u times every distance (`bam_jax.GGDPrior.dilated`: local heads
+    narrow, flat heads stay flat); ALiBi multiplies its slopes by u; RoPE rotates queries and
+    keys as if every position were u times larger; sinusoidal multiplies the positions of
+    its table by u, which reaches every layer, so it refuses local layers; NoPE has no
+    positions and refuses the option; rope_local is windowed in every layer, so has no
+    global layer to dilate.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.of_size("toy"))
@@ -190,16 +217,9 @@ class TrainConfig:
         _check_float32("prior_dilation", self.prior_dilation, minimum=1.0, maximum=1e6)
         if self.prior_dilation == 1.0:
             return
-        if self.model.base_encoding != "bam":
-            raise ValueError(
-                f"prior_dilation={self.prior_dilation} needs a BAM encoding (bam, bam_ssmax), "
-                f"got model.encoding={self.model.encoding!r}; set prior_dilation=1"
-            )
-        if not any(self.model.global_layers()):
-            raise ValueError(
-                f"prior_dilation={self.prior_dilation} applies to the global layers, but all "
-                f"{self.model.n_layers} are windowed (model.local_layers)"
-            )
+        problem = prior_dilation_problem(self.model)
+        if problem:
+            raise ValueError(f"prior_dilation={self.prior_dilation} {problem}")
 
     @property
     def seq_len(self) -> int:
