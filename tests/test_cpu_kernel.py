@@ -167,8 +167,7 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
     script = """
         import os
         import numpy as np
-        from bam_jax import pallas_attention as pallas_attention_module
-from bam_jax.kernels import cpu
+        from bam_jax.kernels import cpu
         from tests.test_cpu_kernel import VALUE_CASES
         from tests.test_pallas_attention import make_inputs, run_kernel
 
