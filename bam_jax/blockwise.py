@@ -16,6 +16,11 @@ the table gives the parameter gradients. Any prior with a `bias` method works (G
 ALiBi), and the query offset may be a traced value (it shifts the table's distances,
 not the tile indexing).
 
+A causal sliding window over a long key array (a local layer reading a KV cache) first
+cuts the keys down to the span the window can reach (`window_keys`), aligned to whole key
+blocks so that every tile holds the same keys as without the cut: the table, the SSMax
+counts and the loops are then O(window + T), not O(S), bit for bit the same output.
+
 The gradient is a custom VJP in the FlashAttention-2 style: probabilities are
 recomputed from the saved log-sum-exp in one pass over key blocks (outer) and the
 query blocks that see them (inner), accumulating dq in place. The Pallas kernels'
@@ -95,6 +100,17 @@ def blockwise_attention(
 
     block_q, block_k: tile sizes (None: DEFAULT_BLOCK), capped at the lengths.
     """
+    block_k = block_k or DEFAULT_BLOCK
+    key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset = window_keys(
+        key_BxSxKxD,
+        value_BxSxKxD,
+        key_segment_ids_BxS,
+        query_offset,
+        q_len=query_BxTxHxD.shape[1],
+        causal=causal,
+        window=window,
+        block_k=min(block_k, key_BxSxKxD.shape[1]),
+    )
     mask = AttentionMask(causal, window, key_BxSxKxD.shape[1])
     static = _static(
         mask,
@@ -102,7 +118,7 @@ def blockwise_attention(
         query_BxTxHxD.shape,
         key_BxSxKxD.shape,
         block_q or DEFAULT_BLOCK,
-        block_k or DEFAULT_BLOCK,
+        block_k,
     )
     padded = _pad_inputs(
         static,
@@ -121,6 +137,45 @@ def blockwise_attention(
         bias_table = prior.bias(_table_distances(static, padded.k.shape[1], padded.offset))
     out = _attention(static, bias_table, scale_KxG, padded)
     return out[:, : query_BxTxHxD.shape[1]]
+
+
+def window_keys(
+    key_BxSxKxD: jax.Array,
+    value_BxSxKxD: jax.Array,
+    key_segment_ids_BxS: jax.Array | None,
+    query_offset: int | jax.Array,
+    *,
+    q_len: int,
+    causal: bool,
+    window: int | None,
+    block_k: int,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, int | jax.Array]:
+    """The keys, values, key segment ids and query offset of attention restricted to the
+    key slots a causal `window` lets T = `q_len` queries from `query_offset` see.
+
+    The cut starts at a multiple of `block_k` (at or before the first visible slot) and
+    holds a whole number of blocks, so key blocks of `block_k` slots cover the same slots
+    as in the full arrays: the attention is the same function, its tiles the same. Without
+    a causal window, or when the cut would not be shorter than S, the inputs come back
+    as they are. The cut lies inside [0, S), so every slot it holds is a real key.
+    """
+    kv_len = key_BxSxKxD.shape[1]
+    unchanged = key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset
+    if window is None or not causal:
+        return unchanged
+    length = _round_up(window + q_len + block_k - 1, block_k)
+    if length >= kv_len:
+        return unchanged
+    offset = jnp.asarray(query_offset, jnp.int32)
+    first = jnp.maximum(offset - window, 0) // block_k * block_k
+    start = jnp.minimum(first, kv_len - length)
+    cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=length, axis=1)
+    segments = None if key_segment_ids_BxS is None else cut(key_segment_ids_BxS)
+    return cut(key_BxSxKxD), cut(value_BxSxKxD), segments, offset - start
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def flash_backward(

@@ -28,7 +28,10 @@ With `prior_table=True` (and for any other Prior, the GGD prior's inference form
 the prior is instead evaluated once per
 head on every distance, a table [H, S + T - 1] computed by `prior.bias` outside the
 kernel, and each tile reads its Toeplitz slice of it (a gather on GPU, a strided lane
-rotation on TPU): no transcendental per element for the prior. SSMax uses n_i, the
+rotation on TPU): no transcendental per element for the prior. On CPU a causal window
+over a long key array is first cut to the whole 256-key tiles it can reach
+(`bam_jax.blockwise.window_keys`), so a local layer's table, counts and tiles cost
+O(window + T) per call however long the cache is. SSMax uses n_i, the
 number of keys query i can see, computed outside the kernel in O((T + S) log S).
 
 The backward pass is a custom VJP on the kernel's output and log-sum-exp. backward="fused"
@@ -50,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from bam_jax.attention_inputs import checked_attention
-from bam_jax.blockwise import blockwise_attention, flash_backward
+from bam_jax.blockwise import blockwise_attention, flash_backward, window_keys
 from bam_jax.kernels import cpu
 from bam_jax.kernels.cpu import CPU_BLOCK_K, CPU_BLOCK_Q, cpu_forward
 from bam_jax.kernels.gpu import gpu_defaults, gpu_forward
@@ -158,6 +161,18 @@ def pallas_attention(
             block_k=cpu.CPU_SHORT_BLOCK_K,
             ssmax_max_count=ssmax_max_count,
         )
+    if backend == "cpu":  # a local layer over a long cache reads only its window's blocks
+        key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset = window_keys(
+            key_BxSxKxD,
+            value_BxSxKxD,
+            key_segment_ids_BxS,
+            query_offset,
+            q_len=q_len,
+            causal=causal,
+            window=window,
+            block_k=CPU_BLOCK_K,
+        )
+        kv_len = key_BxSxKxD.shape[1]
     # The CPU kernel always reads the table: it has no per-element transcendental path.
     table_needed = prior_kind == "other" or backend == "cpu"
     prior_table = prior_kind != "none" and (prior_table or table_needed)

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bam_jax import blockwise
 from bam_jax.attention import default_implementation, dot_product_attention
+from bam_jax.blockwise import window_keys
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes, init_ggd_prior
 
 
@@ -227,12 +229,71 @@ DEFAULT_CASES = [
         kv_heads=2,
         ssmax_max_count=64,
     ),
+    # A causal window over a long cache (a local layer): the keys are cut to its blocks.
+    Case(
+        q_len=50,
+        kv_len=1000,
+        offset=700,
+        traced_offset=True,
+        block_q=32,
+        block_k=64,
+        theta_beta=-0.6,
+        window=20,
+        ssmax=True,
+        kv_heads=2,
+        batch=1,
+    ),
+    Case(q_len=30, kv_len=1000, offset=10, block_q=16, block_k=64, window=20, ssmax=True),
+    Case(q_len=33, kv_len=600, offset=300, block_q=16, block_k=32, window=0, ssmax=True),
+    # ...near the end of the cache, where the cut cannot start at a block boundary.
+    Case(
+        q_len=40,
+        kv_len=1000,
+        offset=955,
+        traced_offset=True,
+        block_q=16,
+        block_k=64,
+        theta_beta=1.0,
+        window=20,
+        documents=True,
+        ssmax=True,
+        batch=1,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", DEFAULT_CASES, ids=str)
 def test_blockwise_matches_reference(case: Case) -> None:
     check_against_reference(case)
+
+
+def test_window_keys_cut_whole_blocks_that_hold_the_window() -> None:
+    slots = jnp.arange(1000, dtype=jnp.float32)[None, :, None, None]
+    cut = functools.partial(window_keys, q_len=50, causal=True, window=20, block_k=64)
+    keys, values, segments, offset = cut(slots, slots, None, jnp.int32(700))
+    assert keys.shape[1] == 192 and segments is None
+    start = 700 - int(offset)
+    assert start == 640  # the block holding slot 680, the first query's oldest key
+    np.testing.assert_array_equal(values[0, :, 0, 0], np.arange(start, start + 192))
+    _, _, _, offset = cut(slots, slots, None, jnp.int32(955))
+    assert 955 - int(offset) == 1000 - 192  # the cut stays inside the cache
+    for kwargs in ({"window": None}, {"causal": False}, {"q_len": 950}):
+        unchanged = window_keys(slots, slots, None, 5, **{**cut.keywords, **kwargs})
+        assert unchanged[0] is slots and unchanged[3] == 5
+
+
+@pytest.mark.parametrize("offset", [0, 10, 700, 955])
+def test_cutting_a_window_from_a_long_cache_changes_no_bit(monkeypatch, offset: int) -> None:
+    case = Case(q_len=45, kv_len=1000, offset=offset, block_q=16, block_k=64, window=20, ssmax=True)
+    inputs = make_inputs(case)
+    out_cut, grads_cut = attention_and_grads(case, inputs, "blockwise")
+    monkeypatch.setattr(blockwise, "window_keys", lambda k, v, seg, off, **_: (k, v, seg, off))
+    out_whole, grads_whole = attention_and_grads(case, inputs, "blockwise")
+    if offset != 955:  # there the cut starts between blocks: same function, other tiles
+        np.testing.assert_array_equal(out_cut, out_whole)
+    assert_close(out_cut, out_whole)
+    for cut, whole in zip(jax.tree.leaves(grads_cut), jax.tree.leaves(grads_whole), strict=True):
+        assert_close(cut, whole, 1e-5)
 
 
 def _full_grid() -> list[Case]:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bam_jax import pallas_attention as pallas_attention_module
 from bam_jax.attention import dot_product_attention
 from bam_jax.kernels import cpu
 from bam_jax.pallas_attention import pallas_attention
@@ -77,6 +78,13 @@ VALUE_CASES = {
         q_len=90, kv_len=300, causal=False, prior=None, ssmax=True, head_dim=136, batch=1
     ),
     "no_prior_no_ssmax_hd8": Case(q_len=65, prior=None, head_dim=8, kv_heads=4),
+    # A local layer over a long cache: the keys are cut to the window's 256-key tiles.
+    "window_over_long_cache_gqa_ssmax": Case(
+        q_len=300, kv_len=5000, offset=3001, window=16, ssmax=True, batch=1
+    ),
+    "window_over_long_cache_near_its_end": Case(
+        q_len=70, kv_len=3000, offset=2925, window=40, ssmax=True, kv_heads=1, batch=1
+    ),
 }
 
 
@@ -113,6 +121,21 @@ def test_the_inference_form_of_the_ggd_prior_goes_through_its_bias() -> None:
     case = Case(q_len=70, offset=5, prior="ggd_inference", ssmax=True, theta_mu=0.4, batch=1)
     check_values(case, "cpu")
     check_gradients(case, "cpu")
+
+
+def test_window_over_long_cache_gradients_match_reference() -> None:
+    case = Case(q_len=100, kv_len=2000, offset=1234, window=16, ssmax=True, batch=1)
+    check_gradients(case, "cpu")
+
+
+def test_cutting_a_window_from_a_long_cache_changes_no_bit(monkeypatch) -> None:
+    case = Case(q_len=300, kv_len=5000, offset=3001, window=16, ssmax=True, batch=1)
+    inputs = make_inputs(case)
+    cut = run_kernel(case, "cpu", inputs)
+    monkeypatch.setattr(
+        pallas_attention_module, "window_keys", lambda k, v, seg, off, **_: (k, v, seg, off)
+    )
+    np.testing.assert_array_equal(cut, run_kernel(case, "cpu", inputs))
 
 
 def test_implementation_pallas_on_cpu_is_the_cpu_kernel() -> None:
