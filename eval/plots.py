@@ -306,10 +306,10 @@ def perplexity_band(
     _plain_log_ticks(ax.yaxis)
     _add_multiple_axis(ax, train_length)
     ax.set_xlabel("position (end of window, tokens)")
-    ax.set_ylabel("perplexity: mean loss over seeds, band lowest-highest")
+    ax.set_ylabel("perplexity (exp of the mean loss over seeds)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, ncol=2, title="band: lowest to highest seed", title_fontsize=7)
     return _save(fig, path)
 
 

@@ -257,7 +257,7 @@ def evaluate_perplexity(
             spread,
             train_length,
             os.path.join(out, "perplexity_by_window.png"),
-            title=f"Perplexity by position on {data} (mean over seeds, band lowest-highest)",
+            title=f"Perplexity by window of {train_length} tokens, {data}",
         )
         print(f"figure: {path}")
 
