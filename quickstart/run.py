@@ -224,8 +224,9 @@ def evaluate_perplexity(
 ) -> None:
     """Perplexity by window of the training length over `sequences` held-out documents of
     max(multiples) training lengths each (`bam-eval perplexity --packing documents`); the
-    tables (and OUT/perplexity_windows.txt) show the windows ending at each multiple, mean
-    and range over each group's runs."""
+    tables (and OUT/perplexity_windows.txt, or perplexity_windows_seeds.txt when a group
+    has several runs, like the figure perplexity_by_window[_seeds].png) show the windows
+    ending at each multiple, mean and range over each group's runs."""
     train_length = models[0].train_length
     evaluation = api.run_perplexity(
         models,
@@ -250,13 +251,14 @@ def evaluate_perplexity(
     ]
     text = "\n\n".join(tables)
     print(f"\n{text}")
-    with open(os.path.join(out, "perplexity_windows.txt"), "w", encoding="utf-8") as f:
+    suffix = "_seeds" if any(len(names) > 1 for names in groups.values()) else ""
+    with open(os.path.join(out, f"perplexity_windows{suffix}.txt"), "w", encoding="utf-8") as f:
         f.write(text + "\n")
     if plots:
         path = plot_lib.perplexity_band(
             spread,
             train_length,
-            os.path.join(out, "perplexity_by_window.png"),
+            os.path.join(out, f"perplexity_by_window{suffix}.png"),
             title=f"Perplexity by window of {train_length} tokens, {data}",
         )
         print(f"figure: {path}")

@@ -192,7 +192,7 @@ def test_a_text_preset_evaluates_perplexity_on_held_out_files(tmp_path, capsys):
         (entry,) = [r["entries"] for r in json.load(f)["runs"].values()]
     (curve,) = entry.values()
     assert curve["positions"] == [256, 512] and curve["n_sequences"] == 2
-    with open(os.path.join(out, "perplexity_windows.txt"), encoding="utf-8") as f:
+    with open(os.path.join(out, "perplexity_windows_seeds.txt"), encoding="utf-8") as f:
         table = f.read()
     assert "512 (2x)" in table and "2 run(s)" in table
-    assert os.path.getsize(os.path.join(out, "perplexity_by_window.png")) > 0
+    assert os.path.getsize(os.path.join(out, "perplexity_by_window_seeds.png")) > 0
