@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from bam_eval import plots
 from bam_eval.memory import activation_bytes, cache_bytes_per_slot, check_sample_memory
 from bam_eval.models import EvalModel, for_inference, load_eval_model, model_tokenizers
@@ -28,7 +30,7 @@ logger = logging.getLogger("bam.eval")
 
 # What the tables and figures read from each stored entry.
 PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")
-PERPLEXITY_FIELDS = ("positions", "perplexity")
+PERPLEXITY_FIELDS = ("positions", "loss", "perplexity")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +382,46 @@ def perplexity_table(curves: dict[str, dict[str, Any]]) -> str:
         for i, p in enumerate(positions)
     ]
     return format_table(["position", *curves], rows)
+
+
+def perplexity_spread(
+    curves: dict[str, dict[str, Any]], groups: dict[str, list[str]]
+) -> dict[str, dict[int, tuple[float, float, float]]]:
+    """Per group and window end position: (mean, min, max) of the window's mean next-token
+    loss over the group's runs (perplexity is exp of each)."""
+    spread = {}
+    for group, names in groups.items():
+        losses = np.asarray([curves[name]["loss"] for name in names], np.float64)
+        positions = curves[names[0]]["positions"]
+        spread[group] = {
+            int(p): (
+                float(losses[:, i].mean()),
+                float(losses[:, i].min()),
+                float(losses[:, i].max()),
+            )
+            for i, p in enumerate(positions)
+        }
+    return spread
+
+
+def perplexity_seed_table(
+    spread: dict[str, dict[int, tuple[float, float, float]]],
+    train_length: int,
+    positions: Sequence[int],
+    *,
+    perplexity: bool = False,
+) -> str:
+    """Rows: window end positions (with their multiple of the training length); columns:
+    groups, each cell the mean loss (or exp of it, the perplexity) and its range over the
+    group's runs, "mean [min-max]"."""
+    rows = []
+    for p in positions:
+        cells = []
+        for per_window in spread.values():
+            values = np.exp(per_window[p]) if perplexity else per_window[p]
+            cells.append("{:.3f} [{:.3f}-{:.3f}]".format(*values))
+        rows.append([f"{p} ({p / train_length:g}x)", *cells])
+    return format_table(["window end", *spread], rows)
 
 
 def run_prior(

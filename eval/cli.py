@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument(
         "--data",
         required=True,
-        help="shard dir, .npy, .txt/.jsonl file/dir/glob, hf:NAME[:SUBSET][@SPLIT]",
+        help="shard dir, .npy, .txt/.jsonl file/dir/glob, hf:NAME[:SUBSET][@SPLIT], "
+        "python-stdlib:held-out (the standard library files held out of python-stdlib)",
     )
     ppl.add_argument("--seq-len", type=positive_count, default=32_768)
     ppl.add_argument("--window", type=positive_count, default=1_024)

@@ -9,6 +9,7 @@ Data sources:
 - a directory of pre-tokenised shards (``meta.json``, as written by ``python -m bam_train.shards``)
   or a ``.npy`` file of token ids;
 - ``.txt`` / ``.jsonl`` files (a file, a directory or a glob);
+- ``python-stdlib:held-out``: the standard library files held out of ``python-stdlib``;
 - ``hf:NAME[:SUBSET][@SPLIT]`` (a Hugging Face dataset, streamed) or a dataset directory
   saved with ``save_to_disk``; both need the ``hf`` extra (``datasets``).
 

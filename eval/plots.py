@@ -273,6 +273,46 @@ def perplexity_vs_position(
     return _save(fig, path)
 
 
+def perplexity_band(
+    spread: Mapping[str, Mapping[int, tuple[float, float, float]]],
+    train_length: int,
+    path: str,
+    *,
+    title: str,
+) -> str:
+    """One line per group: the perplexity of its mean loss per window (at the window's end
+    position), with a band from its lowest to its highest run; log axes, the training
+    length marked."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
+    styles = _style(list(spread))
+    for name, per_window in spread.items():
+        style = styles[name]
+        positions = np.asarray(list(per_window), np.float64)
+        mean, low, high = (np.exp(column) for column in zip(*per_window.values(), strict=True))
+        ax.fill_between(positions, low, high, color=style["color"], alpha=0.15, linewidth=0)
+        ax.plot(
+            positions,
+            mean,
+            color=style["color"],
+            linestyle=style["linestyle"],
+            marker=style["marker"],
+            markersize=3,
+            label=name,
+        )
+    _mark_train_length(ax, [train_length])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log_ticks(ax.xaxis)
+    _plain_log_ticks(ax.yaxis)
+    _add_multiple_axis(ax, train_length)
+    ax.set_xlabel("position (end of window, tokens)")
+    ax.set_ylabel("perplexity (exp of the mean loss over seeds)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2, title="band: lowest to highest seed", title_fontsize=7)
+    return _save(fig, path)
+
+
 def prior_figure(
     curves: Sequence[Mapping[str, Any]],
     table: Sequence[Mapping[str, Any]],

@@ -1,10 +1,13 @@
 """`bam-quickstart`: train a tiny model on synthetic passkey data at a short context on the
-CPU, then measure passkey retrieval at multiples of the training length up to 500x.
+CPU, then measure passkey retrieval at multiples of the training length up to 500x. With a
+text preset (`--preset stdlib_bytes`), measure instead the perplexity by window of the
+training length on held-out files, up to 32x the training length.
 
 The same code paths as a pod run: `bam_train.loop.train` (grain data, optax, orbax
-checkpoints) and `bam_eval.api.run_passkey`, what `bam-eval passkey` runs (chunked prefill
-through the KV cache with blockwise attention). Everything is written under --out: the run
-(checkpoints, metrics.jsonl), the results JSON per model and the figures.
+checkpoints) and `bam_eval.api.run_passkey` or `run_perplexity`, what `bam-eval passkey` and
+`bam-eval perplexity --packing documents` run (chunked prefill through the KV cache with
+blockwise attention). Everything is written under --out: the run (checkpoints,
+metrics.jsonl), the results JSON per model and the figures.
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ from collections.abc import Sequence
 from bam_configs.presets import preset
 from bam_eval import api
 from bam_eval import plots as plot_lib
+from bam_eval.models import EvalModel
+from bam_jax.io.documents import held_out_source
 from bam_jax.logs import log_to_stdout
 from bam_train.config import TrainConfig, prior_dilation_problem
 from bam_train.loop import train
 from bam_train.signals import INTERRUPTED_STATUS
 
 DEFAULT_MULTIPLES = "1,2,4,8,16,32,64,128,256,500"
+PERPLEXITY_MULTIPLES = "1,2,4,8,16,32"
+PASSKEY_SAMPLES = 20
+PERPLEXITY_SEQUENCES = 32
 COMPARE_ENCODINGS = "nope,rope,alibi,bam,nope_ssmax,rope_ssmax,alibi_ssmax,bam_ssmax"
 
 
@@ -94,8 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stop a model's sweep after N consecutive lengths at 0%%",
     )
-    parser.add_argument("--multiples", default=DEFAULT_MULTIPLES, help="evaluation lengths")
-    parser.add_argument("--samples", type=int, default=20, help="passkey samples per length")
+    parser.add_argument(
+        "--multiples",
+        default=None,
+        help="evaluation lengths in multiples of the training length (passkey default "
+        f"{DEFAULT_MULTIPLES}); text presets: perplexity over sequences of the largest, by "
+        f"window of the training length, tabled at each (default {PERPLEXITY_MULTIPLES})",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help=f"passkey samples per length (default {PASSKEY_SAMPLES}); text presets: "
+        f"held-out files evaluated, one sequence each (default {PERPLEXITY_SEQUENCES})",
+    )
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument(
         "--fresh",
@@ -121,8 +141,8 @@ def train_and_evaluate(
     out: str,
     *,
     steps: int | None,
-    multiples: str,
-    samples: int,
+    multiples: str | None = None,
+    samples: int | None = None,
     plots: bool = True,
     preset_name: str = "quickstart",
     seeds: Sequence[int] = (0,),
@@ -130,8 +150,13 @@ def train_and_evaluate(
     fresh: bool = False,
 ) -> int:
     """Train one run per encoding and seed (resuming finished ones), then evaluate them
-    together (with `fresh`, dropping the results files' earlier runs); with several seeds,
-    also the mean and range over each encoding's seeds."""
+    together (with `fresh`, dropping the results files' earlier runs): passkey retrieval
+    for passkey presets, perplexity on the corpus's held-out files for text presets; with
+    several seeds, also the mean and range over each encoding's seeds."""
+    cfg = preset(preset_name)
+    held_out = None if cfg.data.source == "passkey" else held_out_source(cfg.data.path)
+    if held_out is not None:
+        check_perplexity_multiples(_multiples(multiples or PERPLEXITY_MULTIPLES))
     runs, groups = [], {}
     for encoding in encodings:
         for seed in seeds:
@@ -150,22 +175,103 @@ def train_and_evaluate(
             runs.append(f"{name}={workdir}")
             groups.setdefault(encoding, []).append(name)
     models = api.load_models(runs)
+    if held_out is not None:
+        evaluate_perplexity(
+            models,
+            groups,
+            held_out,
+            _multiples(multiples or PERPLEXITY_MULTIPLES),
+            samples or PERPLEXITY_SEQUENCES,
+            out,
+            plots,
+            fresh,
+        )
+        return 0
     evaluation = api.run_passkey(
         models,
-        multiples=[float(m) for m in multiples.split(",") if m.strip()],
-        samples=samples,
+        multiples=_multiples(multiples or DEFAULT_MULTIPLES),
+        samples=samples or PASSKEY_SAMPLES,
         patience=patience,
         out=out,
         figures=plots,
         fresh=fresh,
     )
-    print(f"\nPasskey accuracy (%), sampling equidistant, {samples} samples per length")
+    print(
+        f"\nPasskey accuracy (%), sampling equidistant, {samples or PASSKEY_SAMPLES} samples "
+        "per length"
+    )
     print(api.passkey_table(evaluation.results, {m.name: m.train_length for m in models}))
     for path in evaluation.figures[-1:]:
         print(f"figure: {path}")
     if len(seeds) > 1:
         print_seed_summary(evaluation.results, groups, models[0].train_length, out, plots)
     return 0
+
+
+def _multiples(text: str) -> list[float]:
+    return [float(m) for m in text.split(",") if m.strip()]
+
+
+def check_perplexity_multiples(multiples: Sequence[float]) -> None:
+    """Perplexity windows are whole training lengths: the multiples must be whole numbers."""
+    if not multiples or any(m < 1 or m != int(m) for m in multiples):
+        raise ValueError(
+            "--multiples: a text preset's perplexity is measured by window of the training "
+            f"length, so expected whole multiples >= 1 such as {PERPLEXITY_MULTIPLES}, got "
+            f"{list(multiples)}"
+        )
+
+
+def evaluate_perplexity(
+    models: Sequence[EvalModel],
+    groups: dict[str, list[str]],
+    data: str,
+    multiples: Sequence[float],
+    sequences: int,
+    out: str,
+    plots: bool,
+    fresh: bool,
+) -> None:
+    """Perplexity by window of the training length over `sequences` held-out documents of
+    max(multiples) training lengths each (`bam-eval perplexity --packing documents`); the
+    tables (and OUT/perplexity_windows.txt, or perplexity_windows_seeds.txt when a group
+    has several runs, like the figure perplexity_by_window[_seeds].png) show the windows
+    ending at each multiple, mean and range over each group's runs."""
+    train_length = models[0].train_length
+    evaluation = api.run_perplexity(
+        models,
+        data,
+        seq_len=int(max(multiples) * train_length),
+        window=train_length,
+        sequences=sequences,
+        packing="documents",
+        out=out,
+        figures=plots,
+        fresh=fresh,
+    )
+    spread = api.perplexity_spread(evaluation.results, groups)
+    n_sequences = next(iter(evaluation.results.values()))["n_sequences"]
+    positions = [int(m) * train_length for m in multiples]
+    tables = [
+        f"{kind} per window of {train_length} tokens ending at each position, {n_sequences} "
+        f"held-out sequences of {data}; mean [lowest-highest] over each encoding's "
+        f"{len(next(iter(groups.values())))} run(s)\n"
+        + api.perplexity_seed_table(spread, train_length, positions, perplexity=ppl)
+        for kind, ppl in (("Loss (nats per token)", False), ("Perplexity", True))
+    ]
+    text = "\n\n".join(tables)
+    print(f"\n{text}")
+    suffix = "_seeds" if any(len(names) > 1 for names in groups.values()) else ""
+    with open(os.path.join(out, f"perplexity_windows{suffix}.txt"), "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    if plots:
+        path = plot_lib.perplexity_band(
+            spread,
+            train_length,
+            os.path.join(out, f"perplexity_by_window{suffix}.png"),
+            title=f"Perplexity by window of {train_length} tokens, {data}",
+        )
+        print(f"figure: {path}")
 
 
 def print_seed_summary(

@@ -189,3 +189,41 @@ def test_the_recipe_retrieves_at_500x_with_an_untuned_seed(tmp_path):
     accuracies = _accuracies(out, f"bam_ssmax_seed{UNTUNED_SEED}")
     assert list(accuracies) == [500 * quickstart_config().seq_len]
     assert accuracies[500 * quickstart_config().seq_len] >= 0.8, accuracies
+
+
+def test_perplexity_spread_gives_mean_and_range_of_the_loss_per_window():
+    def curve(*losses):
+        return {"positions": [256 * (i + 1) for i in range(len(losses))], "loss": list(losses)}
+
+    curves = {"a": curve(1.0, 2.0), "a_seed1": curve(3.0, 2.0), "b": curve(0.5, 0.5)}
+    spread = api.perplexity_spread(curves, {"a": ["a", "a_seed1"], "b": ["b"]})
+    assert spread["a"] == {256: (2.0, 1.0, 3.0), 512: (2.0, 2.0, 2.0)}
+    table = api.perplexity_seed_table(spread, 256, [512], perplexity=True).splitlines()
+    assert table[0].split() == ["window", "end", "a", "b"]
+    assert table[2].split() == ["512", "(2x)", "7.389", "[7.389-7.389]", "1.649", "[1.649-1.649]"]
+
+
+@pytest.mark.parametrize("multiples", ["1,2.5", "0,4"])
+def test_text_presets_refuse_fractional_multiples_before_training(tmp_path, monkeypatch, multiples):
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before the arguments were checked")
+
+    monkeypatch.setattr(run, "train", no_training)
+    argv = ["--preset", "stdlib_bytes", "--multiples", multiples, "--out", str(tmp_path)]
+    assert main(argv) == 2
+
+
+@pytest.mark.slow
+def test_a_text_preset_evaluates_perplexity_on_held_out_files(tmp_path, capsys):
+    argv = ("--preset", "stdlib_bytes", "--encodings", "rope,bam", "--seed", "0,1")
+    out = _run(tmp_path, *argv, "--steps", "2", "--multiples", "1,2", "--samples", "2")
+    printed = capsys.readouterr().out
+    assert "Passkey" not in printed and "held-out sequences of python-stdlib:held-out" in printed
+    with open(os.path.join(out, "rope_seed1", "perplexity.json"), encoding="utf-8") as f:
+        (entry,) = [r["entries"] for r in json.load(f)["runs"].values()]
+    (curve,) = entry.values()
+    assert curve["positions"] == [256, 512] and curve["n_sequences"] == 2
+    with open(os.path.join(out, "perplexity_windows_seeds.txt"), encoding="utf-8") as f:
+        table = f.read()
+    assert "512 (2x)" in table and "2 run(s)" in table
+    assert os.path.getsize(os.path.join(out, "perplexity_by_window_seeds.png")) > 0

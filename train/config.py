@@ -21,7 +21,7 @@ import numpy as np
 from ml_collections import ConfigDict, config_dict
 
 from bam_jax.config import FLOAT32_MAX, ModelConfig
-from bam_jax.io.documents import HF_PREFIX, check_dataset_reader
+from bam_jax.io.documents import HF_PREFIX, check_dataset_reader, is_stdlib_source, stdlib_files
 from bam_jax.io.shards import local_shard_dir, read_meta
 from bam_jax.tokenizers import get_tokenizer
 from bam_train.data import DataConfig
@@ -428,10 +428,14 @@ def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1)
     data_path = cfg.data.path
     if cfg.data.source == "shards":
         data_path = local_shard_dir(data_path)
-    streamed = cfg.data.source == "text" and data_path.startswith(HF_PREFIX)
-    if cfg.data.source != "passkey" and not streamed and not _path_exists(data_path):
+    text = cfg.data.source == "text"
+    streamed = text and data_path.startswith(HF_PREFIX)
+    stdlib = text and is_stdlib_source(data_path)
+    if stdlib:
+        stdlib_files(data_path)  # a ValueError when the interpreter has no stdlib sources
+    if cfg.data.source != "passkey" and not (streamed or stdlib) and not _path_exists(data_path):
         raise ValueError(f"data.path: {cfg.data.path!r} does not exist")
-    if cfg.data.source == "text":
+    if text:
         check_dataset_reader(data_path)
     _check_validation_rows(cfg)
     vocab, origin = _data_vocab(cfg)

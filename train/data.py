@@ -48,8 +48,9 @@ class DataConfig:
     """Where rows come from.
 
     source: "passkey" | "text" | "shards"; path: .txt/.jsonl file, directory or glob, a
-    directory saved by `datasets.Dataset.save_to_disk`, or "hf:NAME[:SUBSET][@SPLIT]" for a
-    Hugging Face dataset streamed from the hub (text), or a shard directory (shards);
+    directory saved by `datasets.Dataset.save_to_disk`, "hf:NAME[:SUBSET][@SPLIT]" for a
+    Hugging Face dataset streamed from the hub, or "python-stdlib" for the interpreter's
+    standard library sources less its held-out files (text), or a shard directory (shards);
     tokenizer: "mistral", "byte", "passkey:BASE" (BASE cut down to the passkey strings'
     tokens), a tokenizer.json file or a directory holding one, or a SentencePiece .model
     (passkey, text); text_key: the .jsonl or dataset field; add_bos/add_eos: around each

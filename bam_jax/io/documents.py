@@ -1,19 +1,29 @@
-"""Text documents: .txt files (one document each), .jsonl files (one per line), and
-Hugging Face datasets (streamed from the hub or saved with `Dataset.save_to_disk`)."""
+"""Text documents: .txt files (one document each), .jsonl files (one per line), Hugging
+Face datasets (streamed from the hub or saved with `Dataset.save_to_disk`), and the running
+interpreter's standard library ("python-stdlib", a corpus on every machine)."""
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import itertools
 import json
 import os
+import sysconfig
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 HF_PREFIX = "hf:"
 SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+STDLIB = "python-stdlib"
+STDLIB_HELD_OUT = f"{STDLIB}:held-out"
+# Folders of the standard library that are not its own code: installed packages, test
+# suites (with their data files) and bytecode caches.
+STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
+# One file in STDLIB_HELD_OUT_EVERY is held out, chosen by a hash of its relative path.
+STDLIB_HELD_OUT_EVERY = 8
 
 
 def text_files(path: str) -> list[str]:
@@ -38,13 +48,13 @@ class Document(NamedTuple):
 
 
 def located_documents(files: Sequence[str], text_key: str = "text") -> Iterator[Document]:
-    """One document per .txt file, one per non-blank .jsonl line (field `text_key`).
+    """One document per non-blank .jsonl line (field `text_key`), one per other file.
 
     A file that is not UTF-8, a line that is not a JSON object, or a record without a string
     `text_key` field is a ValueError naming the file and line.
     """
     for name in files:
-        if name.endswith(".txt"):
+        if not name.endswith(".jsonl"):
             with open(name, "rb") as f:
                 yield Document(name, _utf8(f.read(), name, first_line=1))
             continue
@@ -110,10 +120,63 @@ def _record_text(line: str, where: str, text_key: str) -> str:
     return text
 
 
+def is_stdlib_source(source: str) -> bool:
+    """Whether `source` names the standard library corpus (either split)."""
+    return source in (STDLIB, STDLIB_HELD_OUT)
+
+
+def stdlib_files(source: str) -> list[str]:
+    """The .py files of the running interpreter's standard library, sorted by relative path:
+    for "python-stdlib" the training files, for "python-stdlib:held-out" the others (one in
+    STDLIB_HELD_OUT_EVERY, by a hash of the relative path, so the split is the same on
+    every machine with the same Python version). Installed packages, test folders and
+    caches are left out."""
+    if not is_stdlib_source(source):
+        raise ValueError(f"data.path: expected {STDLIB!r} or {STDLIB_HELD_OUT!r}, got {source!r}")
+    root = sysconfig.get_paths()["stdlib"]
+    relative = sorted(_stdlib_relative_paths(root))
+    if not relative:
+        raise ValueError(
+            f"data.path {source!r}: no standard library .py files under {root!r} (the "
+            "interpreter's sysconfig stdlib path); use a Python installation with its "
+            "standard library sources, or pass .txt/.jsonl files"
+        )
+    held_out = source == STDLIB_HELD_OUT
+    return [os.path.join(root, r) for r in relative if is_stdlib_held_out(r) == held_out]
+
+
+def held_out_source(source: str) -> str:
+    """The held-out split of a text corpus that has one ("python-stdlib" ->
+    "python-stdlib:held-out"), for evaluating a model on files it was not trained on."""
+    if source != STDLIB:
+        raise ValueError(
+            f"data.path: {source!r} has no held-out split of whole files to evaluate "
+            f"perplexity on; expected {STDLIB!r}"
+        )
+    return STDLIB_HELD_OUT
+
+
+def is_stdlib_held_out(relative_path: str) -> bool:
+    """Whether the standard library file at `relative_path` is held out of training."""
+    digest = hashlib.sha256(relative_path.replace(os.sep, "/").encode()).digest()
+    return int.from_bytes(digest[:8], "big") % STDLIB_HELD_OUT_EVERY == 0
+
+
+def _stdlib_relative_paths(root: str) -> Iterator[str]:
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in STDLIB_SKIPPED_DIRS]
+        for name in names:
+            if name.endswith(".py"):
+                yield os.path.relpath(os.path.join(folder, name), root)
+
+
 def source_documents(source: str, text_key: str = "text") -> Iterator[Document]:
     """The documents of a text source: "hf:NAME[:SUBSET][@SPLIT]" (a Hugging Face dataset,
-    streamed from the hub), a directory written by `Dataset.save_to_disk`, or .txt/.jsonl
-    files (a file, a directory or a glob)."""
+    streamed from the hub), a directory written by `Dataset.save_to_disk`, "python-stdlib"
+    or "python-stdlib:held-out" (the interpreter's standard library, one document per .py
+    file; `stdlib_files`), or .txt/.jsonl files (a file, a directory or a glob)."""
+    if is_stdlib_source(source):
+        return located_documents(stdlib_files(source), text_key)
     if source.startswith(HF_PREFIX):
         name, _, split = source.removeprefix(HF_PREFIX).partition("@")
         name, _, subset = name.partition(":")

@@ -1,0 +1,92 @@
+"""The Python standard library as a text corpus: "python-stdlib" (training files) and
+"python-stdlib:held-out" (whole files kept for evaluation), and the `stdlib_bytes` preset."""
+
+import os
+import sysconfig
+
+import pytest
+
+from bam_configs.presets import preset
+from bam_eval.perplexity import load_rows
+from bam_jax.io.documents import (
+    STDLIB,
+    STDLIB_HELD_OUT,
+    held_out_source,
+    is_stdlib_held_out,
+    source_documents,
+    stdlib_files,
+)
+from bam_jax.tokenizers import ByteTokenizer
+from bam_quickstart.run import COMPARE_ENCODINGS, quickstart_config
+from bam_train.config import validate_for_runtime
+
+
+@pytest.fixture
+def fake_stdlib(tmp_path, monkeypatch):
+    """A standard library folder of five .py files, two of them in folders left out."""
+    root = tmp_path / "lib"
+    for relative in ("a.py", "pkg/b.py", "pkg/c.txt", "test/d.py", "site-packages/e.py"):
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(f"# {relative}\n")
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**paths, "stdlib": str(root)})
+    return root
+
+
+def _relative(files: list[str]) -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    return [os.path.relpath(f, root) for f in files]
+
+
+def test_the_interpreter_stdlib_splits_into_disjoint_sorted_training_and_held_out_files():
+    train, held_out = stdlib_files(STDLIB), stdlib_files(STDLIB_HELD_OUT)
+    assert train == stdlib_files(STDLIB) and held_out == stdlib_files(STDLIB_HELD_OUT)
+    assert _relative(train) == sorted(_relative(train)) and len(held_out) > 0
+    assert not set(train) & set(held_out)
+    assert len(train) > 5 * len(held_out)
+    assert not any(is_stdlib_held_out(r) for r in _relative(train))
+    assert all(is_stdlib_held_out(r) for r in _relative(held_out))
+    assert not any(f"{os.sep}test{os.sep}" in f for f in train + held_out)
+
+
+def test_the_split_leaves_out_tests_and_installed_packages(fake_stdlib):
+    everything = _relative(stdlib_files(STDLIB) + stdlib_files(STDLIB_HELD_OUT))
+    assert sorted(everything) == ["a.py", os.path.join("pkg", "b.py")]
+
+
+def test_each_stdlib_file_is_one_document(fake_stdlib):
+    docs = list(source_documents(STDLIB)) + list(source_documents(STDLIB_HELD_OUT))
+    assert sorted(doc.text for doc in docs) == ["# a.py\n", "# pkg/b.py\n"]
+
+
+def test_a_python_without_stdlib_sources_is_a_clear_error(tmp_path, monkeypatch):
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**paths, "stdlib": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"no standard library [.]py files under"):
+        stdlib_files(STDLIB)
+    with pytest.raises(ValueError, match=r"no standard library [.]py files under"):
+        validate_for_runtime(preset("stdlib_bytes"), n_devices=1)
+
+
+def test_only_the_stdlib_corpus_has_a_held_out_split():
+    assert held_out_source(STDLIB) == STDLIB_HELD_OUT
+    with pytest.raises(ValueError, match=r"data[.]path: 'docs[.]jsonl' has no held-out split"):
+        held_out_source("docs.jsonl")
+
+
+def test_held_out_files_give_sequences_of_32_training_lengths():
+    cfg = preset("stdlib_bytes")
+    rows = load_rows(STDLIB_HELD_OUT, ByteTokenizer(), 32 * cfg.seq_len, 32, packing="documents")
+    assert rows.shape == (32, 32 * cfg.seq_len + 1)
+
+
+def test_stdlib_bytes_gives_every_encoding_the_same_recipe():
+    cfg = preset("stdlib_bytes")
+    validate_for_runtime(cfg, n_devices=1)
+    assert (cfg.data.source, cfg.data.path, cfg.data.tokenizer) == ("text", STDLIB, "byte")
+    assert cfg.seq_len == 256 and cfg.model.vocab_size == ByteTokenizer().vocab_size
+    assert cfg.model.attention_impl == "blockwise" and not cfg.model.global_prior
+    assert cfg.model.local_layers == 0 and cfg.ssmax_jitter == 0 and cfg.prior_dilation == 1
+    for encoding in COMPARE_ENCODINGS.split(","):
+        other = quickstart_config(encoding, preset_name="stdlib_bytes")
+        assert other.replace(model=other.model.replace(encoding="bam_ssmax")) == cfg
