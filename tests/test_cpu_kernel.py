@@ -118,13 +118,13 @@ def test_gradients_match_reference(case: Case) -> None:
 
 
 def test_the_inference_form_of_the_ggd_prior_goes_through_its_bias() -> None:
-    case = Case(q_len=70, offset=5, prior="ggd_inference", ssmax=True, theta_mu=0.4, batch=1)
+    case = Case(q_len=40, offset=5, prior="ggd_inference", ssmax=True, theta_mu=0.4, batch=1)
     check_values(case, "cpu")
     check_gradients(case, "cpu")
 
 
 def test_window_over_long_cache_gradients_match_reference() -> None:
-    case = Case(q_len=100, kv_len=2000, offset=1234, window=16, ssmax=True, batch=1)
+    case = Case(q_len=70, kv_len=900, offset=777, window=16, ssmax=True, batch=1)
     check_gradients(case, "cpu")
 
 

@@ -158,7 +158,7 @@ def test_backward_argument_is_checked() -> None:
     with pytest.raises(NotImplementedError, match=r"backward='fused'.*gpu"):
         pallas_attention(*args, **kwargs, backend="tpu", interpret=True, backward="fused")
     kwargs["prior"] = PowerLawPrior(jnp.ones((4,), jnp.float32))
-    with pytest.raises(NotImplementedError, match="GGDPrior and AlibiPrior"):
+    with pytest.raises(NotImplementedError, match=r"GGDPrior \(training form\) and AlibiPrior"):
         pallas_attention(*args, **kwargs, backend="gpu", interpret=True, backward="fused")
 
 
