@@ -211,6 +211,7 @@ def test_values_match_reference(name: str, backend: str, prior_table: bool) -> N
         np.testing.assert_array_equal(np.asarray(out)[padding], 0.0)
 
 
+@pytest.mark.slow
 def test_gradients_with_saturated_prior_match_reference() -> None:
     check_gradients(DEFAULT_VALUE_CASES["saturated_prior_documents_ssmax_outside"], "gpu")
 
