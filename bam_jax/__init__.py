@@ -21,7 +21,7 @@ Digits are literal sizes (`log_n_Bx1xT`, `head_params_Hx8`).
 import importlib.metadata
 
 from bam_jax.attention import dot_product_attention, reference_attention
-from bam_jax.config import ENCODINGS, ModelConfig
+from bam_jax.config import ENCODINGS, Encoding, ModelConfig
 from bam_jax.inference import decode_step, generate, init_cache, prefill
 from bam_jax.kv_cache import KVCache
 from bam_jax.masking import PADDING_SEGMENT
@@ -56,6 +56,7 @@ except importlib.metadata.PackageNotFoundError:  # a checkout that was never pip
 
 __all__ = [
     "ENCODINGS",
+    "Encoding",
     "PADDING_SEGMENT",
     "PRIOR_PRESETS",
     "AlibiPrior",

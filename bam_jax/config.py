@@ -8,18 +8,10 @@ from typing import Any
 
 from bam_jax.priors import check_ggd_form
 
-ENCODINGS = (
-    "nope",
-    "sinusoidal",
-    "rope",
-    "rope_local",
-    "alibi",
-    "bam",
-    "nope_ssmax",
-    "sinusoidal_ssmax",
-    "rope_ssmax",
-    "alibi_ssmax",
-    "bam_ssmax",
+POSITIONAL_FAMILIES = ("nope", "sinusoidal", "rope", "rope_local", "alibi", "bam")
+SSMAX_SUFFIX = "_ssmax"
+ENCODINGS = POSITIONAL_FAMILIES + tuple(
+    family + SSMAX_SUFFIX for family in POSITIONAL_FAMILIES if family != "rope_local"
 )
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLEMENTATIONS = ("reference", "blockwise", "pallas")
@@ -42,6 +34,62 @@ _SMALL_SIZES: dict[str, dict[str, Any]] = {
     "nano": {"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 64, "max_seq_len": 32},
 }
 MODEL_SIZES = tuple(_PAPER_SIZES) + tuple(_SMALL_SIZES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """An encoding name read once: its positional family and whether it has SSMax.
+
+    Callers ask its properties (`learned_prior`, `rotary`, ...) instead of parsing names."""
+
+    family: str
+    ssmax: bool
+
+    @classmethod
+    def parse(cls, name: str, *, field: str = "encoding") -> Encoding:
+        if name not in ENCODINGS:
+            raise ValueError(f"{field} must be one of {ENCODINGS}, got {name!r}")
+        family = name.removesuffix(SSMAX_SUFFIX)
+        return cls(family=family, ssmax=family != name)
+
+    @property
+    def name(self) -> str:
+        return self.family + SSMAX_SUFFIX if self.ssmax else self.family
+
+    @property
+    def learned_prior(self) -> bool:
+        """BAM: a trained generalized Gaussian prior added to the logits."""
+        return self.family == "bam"
+
+    @property
+    def alibi(self) -> bool:
+        """ALiBi: a fixed linear distance penalty added to the logits."""
+        return self.family == "alibi"
+
+    @property
+    def additive_prior(self) -> bool:
+        """A prior over distances added to the logits (BAM or ALiBi)."""
+        return self.learned_prior or self.alibi
+
+    @property
+    def rotary(self) -> bool:
+        """RoPE: queries and keys rotated by position (rope, rope_local)."""
+        return self.family in ("rope", "rope_local")
+
+    @property
+    def windowed(self) -> bool:
+        """rope_local: every layer sees only the latest `local_window` keys."""
+        return self.family == "rope_local"
+
+    @property
+    def absolute(self) -> bool:
+        """Sinusoidal embeddings added to the token embeddings once, before the layers."""
+        return self.family == "sinusoidal"
+
+    @property
+    def positionless(self) -> bool:
+        """NoPE: no positional information besides the causal mask."""
+        return self.family == "nope"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +182,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not _is_float32_number(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive finite float32 number, got {value!r}")
-        if self.encoding not in ENCODINGS:
-            raise ValueError(f"encoding must be one of {ENCODINGS}, got {self.encoding!r}")
+        Encoding.parse(self.encoding)
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
-        if self.head_dim % 2 and self.base_encoding in ("rope", "rope_local"):
+        if self.head_dim % 2 and self.positional.rotary:
             raise ValueError(f"dim / n_heads must be even for rope, got head_dim {self.head_dim}")
-        if self.dim % 2 and self.base_encoding == "sinusoidal":
+        if self.dim % 2 and self.positional.absolute:
             raise ValueError(f"dim must be even for sinusoidal, got {self.dim}")
         if self.n_heads % self.kv_heads:
             raise ValueError(
@@ -209,18 +256,47 @@ class ModelConfig:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     @property
-    def ssmax(self) -> bool:
-        return self.encoding.endswith("_ssmax")
+    def positional(self) -> Encoding:
+        """The encoding's structured fields: positional family and SSMax."""
+        return Encoding.parse(self.encoding)
 
     @property
-    def base_encoding(self) -> str:
-        """The encoding without the SSMax suffix: nope, sinusoidal, rope, rope_local, alibi, bam."""
-        return self.encoding.removesuffix("_ssmax")
+    def ssmax(self) -> bool:
+        return self.positional.ssmax
+
+    @property
+    def per_layer_prior(self) -> bool:
+        """Whether each layer has its own learned prior (BAM without `global_prior`)."""
+        return self.positional.learned_prior and not self.global_prior
+
+    @property
+    def shared_prior(self) -> bool:
+        """Whether one learned prior serves every layer (BAM with `global_prior`)."""
+        return self.positional.learned_prior and self.global_prior
+
+    def dilation_problem(self) -> str | None:
+        """Why a prior dilation (every distance seen that many times longer) has no
+        analogue in this model, or None where it has one; it reads after "the model"."""
+        encoding = self.positional
+        if encoding.positionless:
+            return f"has no positions to dilate: encoding={self.encoding!r} (NoPE)"
+        if encoding.absolute and self.local_layers:
+            return (
+                "cannot dilate the global layers apart from the local ones: "
+                f"encoding={self.encoding!r} adds its positions once, before every layer, "
+                f"local ones included (local_layers={self.local_layers})"
+            )
+        if not any(self.global_layers()):
+            return (
+                f"has no global layer to dilate: all {self.n_layers} are windowed "
+                "(local_layers, rope_local)"
+            )
+        return None
 
     @property
     def window(self) -> int | None:
         """Attention window of rope_local (keys farther than this are masked), else None."""
-        return self._window_size if self.base_encoding == "rope_local" else None
+        return self._window_size if self.positional.windowed else None
 
     @property
     def _window_size(self) -> int:

@@ -30,7 +30,7 @@ def linen_attention(config: ModelConfig, *, name: str | None = None) -> nn.Modul
     One attention layer owns its prior, so a BAM config must have `global_prior=False`
     (a global prior belongs to the Transformer, which passes it to every layer).
     """
-    if config.base_encoding == "bam" and config.global_prior:
+    if config.shared_prior:
         raise ValueError(
             "linen_attention: a single attention layer needs its own prior; build it from "
             "config.replace(global_prior=False), or use linen_transformer for a model whose "

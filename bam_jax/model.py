@@ -175,8 +175,7 @@ class Attention(nnx.Module):
             if config.ssmax
             else None
         )
-        per_layer_prior = config.base_encoding == "bam" and not config.global_prior
-        self.prior = AttentionPrior(config, rngs=rngs) if per_layer_prior else None
+        self.prior = AttentionPrior(config, rngs=rngs) if config.per_layer_prior else None
 
     def __call__(
         self,
@@ -204,7 +203,7 @@ class Attention(nnx.Module):
         k_BxTxKxD = self.wk(x_BxTxE).reshape(batch, length, cfg.kv_heads, cfg.head_dim)
         v_BxTxKxD = self.wv(x_BxTxE).reshape(batch, length, cfg.kv_heads, cfg.head_dim)
         offset = jnp.int32(0) if cache_length is None else cache_length
-        if cfg.base_encoding in ("rope", "rope_local"):
+        if cfg.positional.rotary:
             positions_T = offset + jnp.arange(length, dtype=jnp.int32)
             if prior_dilation is not None:
                 positions_T = positions_T.astype(jnp.float32) * prior_dilation
@@ -223,7 +222,7 @@ class Attention(nnx.Module):
             prior=self._prior(prior, prior_dilation),
             ssmax_scale_H=self._ssmax_scale(ssmax_scale_factor),
             # The SSMax baselines scale only the content term; ALiBi's bias comes after.
-            ssmax_prior_inside=cfg.ssmax_prior_inside and cfg.base_encoding == "bam",
+            ssmax_prior_inside=cfg.ssmax_prior_inside and cfg.positional.learned_prior,
             query_segment_ids_BxT=segment_ids_BxT,
             key_segment_ids_BxS=segment_ids_BxT,
             query_offset=offset,
@@ -243,11 +242,11 @@ class Attention(nnx.Module):
         return self.seq_scale[...] if factor is None else self.seq_scale[...] * factor
 
     def _prior(self, prior: Prior | None, dilation: float | jax.Array | None) -> Prior | None:
-        base = self.config.base_encoding
-        if base == "alibi":
+        encoding = self.config.positional
+        if encoding.alibi:
             alibi = alibi_prior(self.config.n_heads)
             return alibi if dilation is None else alibi.dilated(dilation)
-        if base != "bam":
+        if not encoding.learned_prior:
             return None
         if self.prior is not None:
             prior = self.prior()
@@ -321,22 +320,6 @@ class TransformerBlock(nnx.Module):
         return h_BxTxE + self.feed_forward(self.ffn_norm(h_BxTxE)), kv
 
 
-def _check_dilated_encoding(config: ModelConfig) -> None:
-    """A ValueError unless the model has positions that a dilation can stretch."""
-    base = config.base_encoding
-    if base == "nope":
-        raise ValueError(
-            f"layer_factors.prior_dilation_L needs positions to dilate; {config.encoding!r} "
-            "(NoPE) has none"
-        )
-    if base == "sinusoidal" and config.local_layers:
-        raise ValueError(
-            f"layer_factors.prior_dilation_L: {config.encoding!r} adds its positions once, "
-            f"before every layer, so it cannot dilate the global layers apart from the "
-            f"local_layers={config.local_layers} local ones"
-        )
-
-
 def _apply_block(
     block: TransformerBlock,
     x_BxTxE: jax.Array,
@@ -408,8 +391,7 @@ class Transformer(nnx.Module):
         self.output = _linear(
             config.dim, config.vocab_size, ("embed", "vocab"), config, rngs, float32_result=True
         )
-        global_prior = config.base_encoding == "bam" and config.global_prior
-        self.prior = AttentionPrior(config, rngs=rngs) if global_prior else None
+        self.prior = AttentionPrior(config, rngs=rngs) if config.shared_prior else None
 
     def __call__(
         self,
@@ -473,7 +455,7 @@ class Transformer(nnx.Module):
         offset = None if cache is None else cache.length
 
         h_BxTxE = self.tok_embeddings(tokens_BxT)
-        if cfg.base_encoding == "sinusoidal":
+        if cfg.positional.absolute:
             positions_T = jnp.arange(length, dtype=jnp.int32)
             if offset is not None:
                 positions_T = positions_T + offset
@@ -501,8 +483,9 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"layer_factors.ssmax_scale_L needs an SSMax encoding, got {cfg.encoding!r}"
             )
-        if factors.prior_dilation_L is not None:
-            _check_dilated_encoding(cfg)
+        problem = None if factors.prior_dilation_L is None else cfg.dilation_problem()
+        if problem:
+            raise ValueError(f"layer_factors.prior_dilation_L: the model {problem}")
         for name in ("ssmax_scale_L", "prior_dilation_L"):
             factors_L = getattr(factors, name)
             if factors_L is not None and jnp.shape(factors_L) != (cfg.n_layers,):

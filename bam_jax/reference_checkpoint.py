@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bam_jax.config import ModelConfig
+from bam_jax.config import Encoding, ModelConfig
 from bam_jax.io.files import write_atomically
 from bam_jax.model import Transformer
 
@@ -116,18 +116,18 @@ def read_reference_config(
     encoding = REFERENCE_ENCODINGS[reference_name]
     fields = _architecture_fields(model_args, args_path)
     fields["encoding"] = encoding
-    base = encoding.removesuffix("_ssmax")
-    if base in ("rope", "rope_local"):
+    positional = Encoding.parse(encoding)
+    if positional.rotary:
         fields["rope_theta"] = _number(model_args, "rope_theta", args_path, default=500000.0)
-    if base == "sinusoidal":
+    if positional.absolute:
         fields["sinusoidal_theta"] = _number(
             model_args, "sinusoidal_theta", args_path, default=10000.0
         )
-    if base == "bam":
+    if positional.learned_prior:
         fields.update(_prior_fields(model_args, args_path))
-    if encoding.endswith("_ssmax"):
+    if positional.ssmax:
         fields["train_ssmax_scale"] = _flag(model_args, "seq_scale", args_path, default=True)
-    if encoding == "bam_ssmax":
+    if positional.learned_prior and positional.ssmax:
         fields["ssmax_prior_inside"] = _ssmax_prior(model_args, args_path)
     if dtype is not None:
         fields["dtype"] = jnp.dtype(dtype).name
@@ -162,10 +162,10 @@ def reference_state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         }
         if config.ssmax:
             shapes[p + "attention.seq_scale"] = per_head
-        if config.base_encoding == "bam" and not config.global_prior:
+        if config.per_layer_prior:
             shapes |= {f"{p}attention.prior.{leaf}": per_head for leaf in PRIOR_LEAVES}
     shapes |= {"norm.weight": (dim,), "output.weight": (config.vocab_size, dim)}
-    if config.base_encoding == "bam" and config.global_prior:
+    if config.shared_prior:
         shapes |= {f"prior.{leaf}": per_head for leaf in PRIOR_LEAVES}
     return shapes
 
@@ -300,16 +300,16 @@ def reference_args(config: ModelConfig, *, prior_naming: PriorNaming = "theta") 
         # The reference's rope_local masks keys farther than max_seq_len.
         "max_seq_len": config.max_seq_len if window is None else window,
     }
-    base = config.base_encoding
-    if base in ("rope", "rope_local"):
+    positional = config.positional
+    if positional.rotary:
         model_args["rope_theta"] = config.rope_theta
-    if base == "sinusoidal":
+    if positional.absolute:
         model_args["sinusoidal_theta"] = config.sinusoidal_theta
-    if base == "bam":
+    if positional.learned_prior:
         model_args |= _reference_prior_args(config, prior_naming)
     if config.ssmax:
         model_args["seq_scale"] = config.train_ssmax_scale
-    if config.encoding == "bam_ssmax":
+    if positional.learned_prior and positional.ssmax:
         model_args["ssmax_prior"] = config.ssmax_prior_inside
     return {
         "args": {"position_encoding": TO_REFERENCE_ENCODING[config.encoding]},

@@ -13,6 +13,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib import ticker
 
+from bam_jax.config import SSMAX_SUFFIX
+
 CLASS_STYLE = {"local": "-", "retrieval": "--"}
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 # Coinciding curves of a comparison stay visible when each is shifted by a few percent along
@@ -87,14 +89,14 @@ def _add_multiple_axis(ax: plt.Axes, train_length: int | None) -> None:
 def _style(names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """One colour per base encoding, solid without SSMax and dashed with it, and a marker and
     a small shift per curve, so that variants group by colour and coinciding curves show."""
-    bases = list(dict.fromkeys(n.removesuffix("_ssmax") for n in names))
+    bases = list(dict.fromkeys(n.removesuffix(SSMAX_SUFFIX) for n in names))
     colours = plt.get_cmap("tab10")
     styles = {}
     for i, name in enumerate(names):
-        base = name.removesuffix("_ssmax")
+        base = name.removesuffix(SSMAX_SUFFIX)
         styles[name] = {
             "color": colours(bases.index(base) % 10),
-            "linestyle": "--" if name.endswith("_ssmax") else "-",
+            "linestyle": "--" if name.endswith(SSMAX_SUFFIX) else "-",
             "marker": MARKERS[i % len(MARKERS)],
             "dodge": 1.0 + DODGE_FRACTION * (i - (len(names) - 1) / 2) if len(names) > 1 else 1.0,
         }

@@ -56,17 +56,17 @@ def positional_arrays(model: nnx.Module, config: ModelConfig) -> dict[str, np.nd
 def prior_table(model: nnx.Module, config: ModelConfig) -> list[dict[str, Any]]:
     """One row per (layer, head): the prior parameters, SSMax scale and head class."""
     arrays = positional_arrays(model, config)
-    base = config.base_encoding
-    if base not in ("bam", "alibi") and "seq_scale" not in arrays:
+    positional = config.positional
+    if not positional.additive_prior and "seq_scale" not in arrays:
         raise ValueError(
             f"encoding {config.encoding!r} has no positional prior or SSMax scale to inspect"
         )
-    slopes = np.asarray(alibi_slopes(config.n_heads), np.float64) if base == "alibi" else None
+    slopes = np.asarray(alibi_slopes(config.n_heads), np.float64) if positional.alibi else None
     rows = []
     for layer in range(config.n_layers):
         for head in range(config.n_heads):
             row: dict[str, Any] = {"layer": layer, "head": head}
-            if base == "bam":
+            if positional.learned_prior:
                 for name in PRIOR_FIELDS:
                     row[name] = float(arrays[name][layer, head])
                 row["mu"] = float(2 * np.sinh(row["theta_mu"]))
@@ -84,14 +84,14 @@ def prior_curves(
     config: ModelConfig, table: list[dict[str, Any]], max_distance: int, points: int = 200
 ) -> list[dict[str, Any]]:
     """Bias vs distance per head, one curve per distinct prior (global: layer "all")."""
-    if config.base_encoding not in ("bam", "alibi"):
+    if not config.positional.additive_prior:
         return []
     distance = np.unique(np.round(np.logspace(0, np.log10(max(max_distance, 2)), points)))
     shared = _shared_prior(config)
     rows = [r for r in table if r["layer"] == 0] if shared else table
     curves = []
     for r in rows:
-        if config.base_encoding == "bam":
+        if config.positional.learned_prior:
             bias = ggd_bias(
                 np.float32([r["theta_alpha"]]),
                 np.float32([r["theta_beta"]]),
@@ -145,9 +145,7 @@ def figure_table(config: ModelConfig, table: list[dict[str, Any]], max_rows: int
 
 def _shared_prior(config: ModelConfig) -> bool:
     """One prior for all layers: ALiBi, or BAM with a global prior."""
-    return config.base_encoding == "alibi" or (
-        config.base_encoding == "bam" and config.global_prior
-    )
+    return config.positional.alibi or config.shared_prior
 
 
 def _global_rows(table: list[dict[str, Any]]) -> list[dict[str, Any]]:

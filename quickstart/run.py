@@ -22,9 +22,10 @@ from bam_configs.presets import preset
 from bam_eval import api
 from bam_eval import plots as plot_lib
 from bam_eval.models import EvalModel
+from bam_jax.config import Encoding
 from bam_jax.io.documents import held_out_source
 from bam_jax.logs import log_to_stdout
-from bam_train.config import TrainConfig, prior_dilation_problem
+from bam_train.config import TrainConfig
 from bam_train.loop import train
 from bam_train.signals import INTERRUPTED_STATUS
 
@@ -49,11 +50,11 @@ def quickstart_config(
     every SSMax encoding (the jitter only where some layer's SSMax count grows with the
     prompt); the prior dilation (`prior_dilation`) to every encoding with positions to
     stretch in a global layer (BAM, ALiBi, RoPE, and sinusoidal without local layers;
-    `bam_train.config.prior_dilation_problem` says why not elsewhere). The prior's options
+    `ModelConfig.dilation_problem` says why not elsewhere). The prior's options
     (its initialisation, one prior or one per layer, `optim.prior_lr`) only exist for BAM.
     """
     cfg = preset(preset_name)
-    ssmax = encoding.endswith("_ssmax")
+    ssmax = Encoding.parse(encoding, field="--encodings").ssmax
     model = cfg.model.replace(
         encoding=encoding, ssmax_capped_layers=cfg.model.ssmax_capped_layers if ssmax else 0
     )
@@ -62,7 +63,7 @@ def quickstart_config(
         model=model,
         seed=seed,
         ssmax_jitter=cfg.ssmax_jitter if jitter else 0.0,
-        prior_dilation=1.0 if prior_dilation_problem(model) else cfg.prior_dilation,
+        prior_dilation=1.0 if model.dilation_problem() else cfg.prior_dilation,
     )
     return cfg if steps is None else cfg.replace(steps=steps)
 
@@ -155,8 +156,10 @@ def train_and_evaluate(
     several seeds, also the mean and range over each encoding's seeds."""
     cfg = preset(preset_name)
     held_out = None if cfg.data.source == "passkey" else held_out_source(cfg.data.path)
+    default_multiples = DEFAULT_MULTIPLES if held_out is None else PERPLEXITY_MULTIPLES
+    lengths = _multiples(multiples or default_multiples)
     if held_out is not None:
-        check_perplexity_multiples(_multiples(multiples or PERPLEXITY_MULTIPLES))
+        check_perplexity_multiples(lengths)
     runs, groups = [], {}
     for encoding in encodings:
         for seed in seeds:
@@ -180,26 +183,24 @@ def train_and_evaluate(
             models,
             groups,
             held_out,
-            _multiples(multiples or PERPLEXITY_MULTIPLES),
+            lengths,
             samples or PERPLEXITY_SEQUENCES,
             out,
             plots,
             fresh,
         )
         return 0
+    samples = samples or PASSKEY_SAMPLES
     evaluation = api.run_passkey(
         models,
-        multiples=_multiples(multiples or DEFAULT_MULTIPLES),
-        samples=samples or PASSKEY_SAMPLES,
+        multiples=lengths,
+        samples=samples,
         patience=patience,
         out=out,
         figures=plots,
         fresh=fresh,
     )
-    print(
-        f"\nPasskey accuracy (%), sampling equidistant, {samples or PASSKEY_SAMPLES} samples "
-        "per length"
-    )
+    print(f"\nPasskey accuracy (%), sampling equidistant, {samples} samples per length")
     print(api.passkey_table(evaluation.results, {m.name: m.train_length for m in models}))
     for path in evaluation.figures[-1:]:
         print(f"figure: {path}")

@@ -96,8 +96,12 @@ def test_factors_of_the_wrong_shape_are_refused(field):
     "encoding, field, message",
     [
         ("bam", "ssmax_scale_L", "needs an SSMax encoding"),
-        ("nope_ssmax", "prior_dilation_L", r"needs positions to dilate; 'nope_ssmax' \(NoPE\)"),
-        ("nope", "prior_dilation_L", r"\(NoPE\) has none"),
+        (
+            "nope_ssmax",
+            "prior_dilation_L",
+            r"the model has no positions to dilate: encoding='nope_ssmax' \(NoPE\)",
+        ),
+        ("nope", "prior_dilation_L", r"\(NoPE\)"),
     ],
 )
 def test_factors_for_a_part_the_model_lacks_are_refused(encoding, field, message):
@@ -302,14 +306,24 @@ def test_dilated_sinusoidal_positions_reach_the_first_layer():
     [
         ({"prior_dilation": 0.5}, r"prior_dilation must be in \[1, 1e\+06\]"),
         ({"prior_dilation": float("inf")}, "prior_dilation"),
-        ({"model": MODEL.replace(encoding="nope_ssmax")}, r"\(NoPE\) has none, so the dilation"),
-        ({"model": MODEL.replace(encoding="nope", ssmax_capped_layers=0)}, "no analogue"),
+        (
+            {"model": MODEL.replace(encoding="nope_ssmax")},
+            r"the model has no positions to dilate: encoding='nope_ssmax' \(NoPE\); "
+            "set prior_dilation=1",
+        ),
+        (
+            {"model": MODEL.replace(encoding="nope", ssmax_capped_layers=0)},
+            "no positions to dilate",
+        ),
         (
             {"model": MODEL.replace(encoding="sinusoidal_ssmax", local_layers=1)},
             r"adds its positions once, before every layer, local ones included",
         ),
-        ({"model": MODEL.replace(encoding="rope_local", ssmax_capped_layers=0)}, "all 3 are win"),
-        ({"model": MODEL.replace(local_layers=3)}, r"all 3 are windowed \(model.local_layers"),
+        (
+            {"model": MODEL.replace(encoding="rope_local", ssmax_capped_layers=0)},
+            "has no global layer to dilate: all 3 are win",
+        ),
+        ({"model": MODEL.replace(local_layers=3)}, r"all 3 are windowed \(local_layers"),
     ],
 )
 def test_bad_dilation_settings_name_the_field(changes, message):

@@ -105,28 +105,6 @@ class MeshConfig:
         return sizes  # type: ignore[return-value]
 
 
-def prior_dilation_problem(model: ModelConfig) -> str | None:
-    """Why `TrainConfig.prior_dilation` cannot apply to `model`, or None where it can."""
-    if model.base_encoding == "nope":
-        return (
-            f"stretches positions, and model.encoding={model.encoding!r} (NoPE) has none, so "
-            "the dilation has no analogue there; set prior_dilation=1"
-        )
-    if model.base_encoding == "sinusoidal" and model.local_layers:
-        return (
-            f"applies to the global layers, but model.encoding={model.encoding!r} adds its "
-            "positions once, before every layer, local ones included "
-            f"(model.local_layers={model.local_layers}); set prior_dilation=1 or "
-            "model.local_layers=0"
-        )
-    if not any(model.global_layers()):
-        return (
-            f"applies to the global layers, but all {model.n_layers} are windowed "
-            "(model.local_layers, rope_local)"
-        )
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """One training run. The sequence length is `model.max_seq_len`.
@@ -217,9 +195,11 @@ class TrainConfig:
         _check_float32("prior_dilation", self.prior_dilation, minimum=1.0, maximum=1e6)
         if self.prior_dilation == 1.0:
             return
-        problem = prior_dilation_problem(self.model)
+        problem = self.model.dilation_problem()
         if problem:
-            raise ValueError(f"prior_dilation={self.prior_dilation} {problem}")
+            raise ValueError(
+                f"prior_dilation={self.prior_dilation}: the model {problem}; set prior_dilation=1"
+            )
 
     @property
     def seq_len(self) -> int:
