@@ -32,6 +32,7 @@ from bam_jax.model import (
     PriorParam,
     SSMaxParam,
     Transformer,
+    TransformerBlock,
     count_params,
     reconfigure,
 )
@@ -56,11 +57,11 @@ except importlib.metadata.PackageNotFoundError:  # a checkout that was never pip
 
 __all__ = [
     "ENCODINGS",
-    "Encoding",
     "PADDING_SEGMENT",
     "PRIOR_PRESETS",
     "AlibiPrior",
     "Attention",
+    "Encoding",
     "GGDPrior",
     "KVCache",
     "LayerFactors",
@@ -69,6 +70,7 @@ __all__ = [
     "PriorParam",
     "SSMaxParam",
     "Transformer",
+    "TransformerBlock",
     "alibi_prior",
     "alibi_slopes",
     "apply_rope",

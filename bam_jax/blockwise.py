@@ -366,7 +366,7 @@ def _diagonal_sums(x_HxMxN: jax.Array) -> jax.Array:
 
     Row i is placed at column offset M - 1 in a row of width w (a power of two); read
     back with row stride w + 1, each diagonal becomes a column, summed over rows.
-    Autodiff's transpose of the expansion divides by p - 1 instead and is 10x slower.
+    Autodiff's transpose of the expansion divides by p - 1 instead, a much slower form.
     """
     heads, rows, cols = x_HxMxN.shape
     length = rows + cols - 1
@@ -378,7 +378,7 @@ def _diagonal_sums(x_HxMxN: jax.Array) -> jax.Array:
 
 def _sum_leading(x: jax.Array) -> jax.Array:
     """jnp.sum(x, axis=0) by pairwise halving, which XLA fuses into one elementwise pass:
-    its CPU backend's reduction over a leading axis is 4-20x slower."""
+    its CPU backend's reduction over a leading axis is slow (docs/benchmarks.md)."""
     while x.shape[0] > 1:
         half = x.shape[0] // 2
         odd = x[2 * half :]
@@ -535,7 +535,7 @@ def _backward(static: _Static, residuals, d_out):
     """FlashAttention-2 backward over tiles held transposed ([I, N, J], keys as rows).
 
     With keys as rows all five products are x @ y or x @ y^T, which XLA's CPU
-    backend runs about 3x faster than the x^T @ y form the row layout needs.
+    backend runs faster than the x^T @ y form the row layout needs.
 
     A query that sees exactly one key has probability 1 on it and a zero softmax
     gradient; both are taken exactly rather than recomputed from the log-sum-exp,

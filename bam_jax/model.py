@@ -68,7 +68,7 @@ class Linear(nnx.Linear):
     """`nnx.Linear` applied to its input flattened to [rows, in].
 
     Same parameters and result; XLA's CPU backend runs a 2-D product and its gradient
-    about 1.8x faster than the same product on a [B, T, in] input (docs/benchmarks.md).
+    faster than the same product on a [B, T, in] input (docs/benchmarks.md measures it).
     """
 
     def __call__(self, inputs: jax.Array) -> jax.Array:

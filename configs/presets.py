@@ -26,8 +26,8 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
   standard library sources ("python-stdlib", held-out files kept for perplexity), byte
   vocabulary, next-token loss on every token, the quick start's per-layer prior without
   its local layer, SSMax jitter or prior dilation; `bam-quickstart --preset stdlib_bytes`
-  trains it in a few minutes per encoding on a 2-core CPU and evaluates perplexity by
-  position up to 32x the training length.
+  trains it for each encoding and evaluates perplexity by position up to 32x the training
+  length.
 - micro: the "nano" model for tests and smoke runs (context 96, Mistral vocabulary).
 - anchor: the configuration of the performance anchor (dim 256, 4 layers, 8 heads,
   vocabulary 32768, context 256, batch 16).
@@ -100,8 +100,8 @@ def quickstart() -> TrainConfig:
     them by log(n) at 500x, and prior dilation 500 evaluates its priors at up to 500 times
     every distance, so it cannot lean on a head that reaches the needle only in short
     prompts (docs/spec.md section 4). Blockwise attention in 64 x 64 tiles
-    skips the tiles above the causal diagonal: 2x faster steps than the reference attention
-    on a 2-core CPU (docs/benchmarks.md).
+    skips the tiles above the causal diagonal (docs/benchmarks.md times the step against
+    the reference attention).
     """
     return TrainConfig(
         model=ModelConfig.of_size(
