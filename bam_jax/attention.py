@@ -6,9 +6,11 @@ the same function:
 - "reference": plain einsum with the bias and mask materialised, float32 softmax.
 - "blockwise": flash-style online softmax over key blocks; the prior is evaluated per
   tile from positions, so no T x S array is ever built.
-- "pallas": fused Pallas kernel (GPU/Triton, TPU/Mosaic) with the prior computed in the
-  tile loop; see bam_jax/pallas_attention.py. Opt-in: `default_implementation` picks it
-  only on device kinds where bench/accelerator_check.py has passed (docs/accelerators.md).
+- "fused" ("pallas" until the next release): the fused kernel with the prior computed in
+  the tile loop, Pallas on GPU (Triton) and TPU (Mosaic), native code on CPU; see
+  bam_jax/pallas_attention.py. `bam_jax.implementation.resolve_implementation` decides
+  what "auto" runs: the fused kernel only on device kinds where
+  bench/accelerator_check.py has passed (docs/accelerators.md).
 
 Positions: key slot s sits at position s; query t sits at `query_offset + t`. With a KV
 cache of capacity S, unfilled slots lie in the future of every query and are masked by
@@ -19,34 +21,16 @@ padding, which is never attended to and never counted by SSMax.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from bam_jax.attention_inputs import checked_attention
 from bam_jax.blockwise import blockwise_attention
+from bam_jax.implementation import resolve_implementation
 from bam_jax.masking import AttentionMask, log_visible_count, visibility_mask
 from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import Prior
-
-Implementation = Literal["reference", "blockwise", "pallas"]
-IMPLEMENTATION_CHOICES = ("auto", "reference", "blockwise", "pallas")
-# Device kinds (`jax.Device.device_kind`) on which the compiled Pallas kernels passed
-# bench/accelerator_check.py; the evidence (device, date, table) is in docs/accelerators.md.
-PALLAS_VALIDATED_DEVICES: tuple[str, ...] = ()
-
-
-def default_implementation(device: jax.Device | None = None) -> Implementation:
-    """The implementation to use when none is chosen: "pallas" on a GPU or TPU whose kind
-    is in PALLAS_VALIDATED_DEVICES, "blockwise" everywhere else.
-
-    `device` defaults to the first device of the default backend.
-    """
-    device = jax.devices()[0] if device is None else device
-    if device.platform in ("gpu", "tpu") and device.device_kind in PALLAS_VALIDATED_DEVICES:
-        return "pallas"
-    return "blockwise"
 
 
 def dot_product_attention(
@@ -63,7 +47,7 @@ def dot_product_attention(
     causal: bool = True,
     window: int | None = None,
     ssmax_max_count: int | jax.Array | None = None,
-    implementation: Implementation | Literal["auto"] = "auto",
+    implementation: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> jax.Array:
@@ -92,11 +76,11 @@ def dot_product_attention(
       ssmax_max_count: with SSMax, n_i is capped at this count, so the scaling stops
         growing past it (e.g. the training context: the layer then attends as sharply at
         any length as it did in training). None: no cap.
-      implementation: "auto" (the default: `default_implementation()`, blockwise unless
-        the Pallas kernel has been validated on this device kind), "reference" (the
-        T x S oracle), "blockwise" or "pallas".
-      block_q, block_k: tile sizes of the blockwise and Pallas implementations (None: the
-        implementation's default, blockwise.DEFAULT_BLOCK or the Pallas backend's).
+      implementation: "auto" (the default: `resolve_implementation`'s choice, blockwise
+        unless the fused kernel has been validated on this device kind), "reference" (the
+        T x S oracle), "blockwise" or "fused" ("pallas" is its earlier name).
+      block_q, block_k: tile sizes of the blockwise and fused implementations (None: the
+        implementation's default, blockwise.DEFAULT_BLOCK or the fused backend's).
     """
     query_BxTxHxD, key_BxSxKxD, value_BxSxKxD = (
         jnp.asarray(x) for x in (query_BxTxHxD, key_BxSxKxD, value_BxSxKxD)
@@ -105,12 +89,7 @@ def dot_product_attention(
         None if x is None else jnp.asarray(x)
         for x in (ssmax_scale_H, query_segment_ids_BxT, key_segment_ids_BxS)
     )
-    if implementation not in IMPLEMENTATION_CHOICES:
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATION_CHOICES}, got {implementation!r}"
-        )
-    if implementation == "auto":
-        implementation = default_implementation()
+    implementation = resolve_implementation(implementation)
     kwargs = dict(
         prior=prior,
         ssmax_scale_H=ssmax_scale_H,
@@ -124,11 +103,8 @@ def dot_product_attention(
     )
     if implementation == "reference":
         return reference_attention(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, **kwargs)
-    if implementation == "blockwise":
-        return blockwise_attention(
-            query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, block_q=block_q, block_k=block_k, **kwargs
-        )
-    return pallas_attention(
+    tiled = {"blockwise": blockwise_attention, "fused": pallas_attention}[implementation]
+    return tiled(
         query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, block_q=block_q, block_k=block_k, **kwargs
     )
 

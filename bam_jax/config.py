@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
+from bam_jax.implementation import canonical_implementation
 from bam_jax.priors import check_ggd_form
 
 POSITIONAL_FAMILIES = ("nope", "sinusoidal", "rope", "rope_local", "alibi", "bam")
@@ -14,7 +15,6 @@ ENCODINGS = POSITIONAL_FAMILIES + tuple(
     family + SSMAX_SUFFIX for family in POSITIONAL_FAMILIES if family != "rope_local"
 )
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLEMENTATIONS = ("reference", "blockwise", "pallas")
 FLOAT32_MAX = 3.4028234663852886e38
 ALPHA_INIT_MODES = ("slope", "sampled")
 BETA_INIT_MODES = ("linear", "sampled")
@@ -121,8 +121,10 @@ class ModelConfig:
     `local_window` is the window of rope_local and of the local layers (None = max_seq_len,
     as in the reference's rope_local);
     `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below);
-    `attention_impl`, `block_q`, `block_k` select the attention kernel and its tiles (None:
-    the implementation's default, which for Pallas depends on the backend and head dim);
+    `attention_impl` ("reference", "blockwise" or "fused"; "pallas" is fused's earlier
+    name, stored as "fused"), `block_q`, `block_k` select the attention kernel and its tiles
+    (None: the implementation's default, which for the fused kernel depends on the backend
+    and head dim);
     `remat` rematerialises each block in the backward pass; `scan_layers` stacks the
     blocks and scans over them (faster compilation of deep models).
 
@@ -195,11 +197,10 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(
-                f"attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, "
-                f"got {self.attention_impl!r}"
-            )
+        implementation = canonical_implementation(
+            self.attention_impl, field="attention_impl", allow_auto=False
+        )
+        object.__setattr__(self, "attention_impl", implementation)
         _check_init("prior_alpha_init", self.prior_alpha_init, ALPHA_INIT_MODES, positive=True)
         _check_init("prior_beta_init", self.prior_beta_init, BETA_INIT_MODES, positive=False)
         check_ggd_form("prior_form", self.prior_form)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -81,6 +82,24 @@ Backward = Literal["fused", "blockwise"]
 
 TPU_DEFAULT_BLOCK_Q = 256
 TPU_DEFAULT_BLOCK_K = 512
+BlockChooser = Callable[[bool, int, int, int, int | None, int | None], tuple[int, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedBackend:
+    """What the fused kernel is on one platform: the dispatcher reads these fields instead
+    of comparing backend names (FUSED_BACKENDS, below the block choosers)."""
+
+    name: Backend
+    pallas: bool  # a Pallas kernel, which has an interpret mode; else native code
+    fused_backward: bool  # backward kernels of its own; else the blockwise backward
+    table_prior_only: bool  # reads every prior from its distance table
+    approx_math: bool  # may use the hardware's approximate exp2/log2
+    prior_reuse: bool  # GGD tiles reusable across query sub-blocks
+    pads_head_dim: bool  # the head dim is padded to a power of two
+    min_queries: int  # calls of fewer queries run blockwise attention (the same function)
+    reads_window_only: bool  # a local layer over a long cache reads its window's blocks only
+    choose_blocks: BlockChooser
 
 
 @checked_attention
@@ -140,11 +159,11 @@ def pallas_attention(
     """
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
-    backend = _resolve_backend(backend, interpret)
-    block_q, block_k = _choose_blocks(backend, interpret, head_dim, q_len, kv_len, block_q, block_k)
+    fused = _resolve_backend(backend, interpret)
+    block_q, block_k = fused.choose_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k)
     prior_kind = _prior_kind(prior)
-    backward = _resolve_backward(backend, backward, prior_kind)
-    if backend == "cpu" and q_len < cpu.CPU_MIN_QUERIES:
+    backward = _resolve_backward(fused, backward, prior_kind)
+    if q_len < fused.min_queries:
         return blockwise_attention(
             query_BxTxHxD,
             key_BxSxKxD,
@@ -157,11 +176,11 @@ def pallas_attention(
             query_offset=query_offset,
             causal=causal,
             window=window,
-            block_q=cpu.CPU_MIN_QUERIES,
+            block_q=fused.min_queries,
             block_k=cpu.CPU_SHORT_BLOCK_K,
             ssmax_max_count=ssmax_max_count,
         )
-    if backend == "cpu":  # a local layer over a long cache reads only its window's blocks
+    if fused.reads_window_only:
         key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset = window_keys(
             key_BxSxKxD,
             value_BxSxKxD,
@@ -170,16 +189,15 @@ def pallas_attention(
             q_len=q_len,
             causal=causal,
             window=window,
-            block_k=CPU_BLOCK_K,
+            block_k=block_k,
         )
         kv_len = key_BxSxKxD.shape[1]
-    # The CPU kernel always reads the table: it has no per-element transcendental path.
-    table_needed = prior_kind == "other" or backend == "cpu"
+    table_needed = prior_kind == "other" or fused.table_prior_only
     prior_table = prior_kind != "none" and (prior_table or table_needed)
     config = KernelConfig(
-        backend=backend,
+        backend=fused.name,
         interpret=interpret,
-        approx_math=approx_math and not interpret and backend == "gpu",
+        approx_math=approx_math and not interpret and fused.approx_math,
         block_q=block_q,
         block_k=block_k,
         q_len=q_len,
@@ -195,7 +213,7 @@ def pallas_attention(
         prior_table=prior_table,
         debug=debug,
     )
-    if prior_reuse and backend == "gpu" and prior_kind == "ggd" and not prior_table:
+    if prior_reuse and fused.prior_reuse and prior_kind == "ggd" and not prior_table:
         config = dataclasses.replace(config, q_splits=_reuse_splits(block_q, block_k))
     offset = jnp.asarray(query_offset, jnp.int32).reshape(1)
     log_n_BxT = max_count = None
@@ -216,34 +234,36 @@ def pallas_attention(
     )
 
 
-def _resolve_backend(backend: Backend | None, interpret: bool) -> Backend:
+def _resolve_backend(backend: Backend | None, interpret: bool) -> FusedBackend:
     if backend is None:
         platform = jax.default_backend()
-        if platform not in ("gpu", "tpu", "cpu"):
+        if platform not in FUSED_BACKENDS:
             raise ValueError(
                 f"the fused attention kernel runs on GPU, TPU or CPU, not {platform!r}; "
                 "use implementation='blockwise' (the same function)"
             )
         backend = platform
-    if backend not in ("gpu", "tpu", "cpu"):
+    if backend not in FUSED_BACKENDS:
         raise ValueError(f"backend must be 'gpu', 'tpu', 'cpu' or None, got {backend!r}")
-    if backend == "cpu" and interpret:
+    fused = FUSED_BACKENDS[backend]
+    if interpret and not fused.pallas:
         raise ValueError(
-            "interpret=True runs a Pallas kernel (backend 'gpu' or 'tpu'); the 'cpu' backend "
-            "is native code and has no interpret mode"
+            f"interpret=True runs a Pallas kernel (backend 'gpu' or 'tpu'); the {backend!r} "
+            "backend is native code and has no interpret mode"
         )
-    return backend
+    return fused
 
 
-def _resolve_backward(backend: Backend, backward: Backward | None, prior_kind: str) -> Backward:
+def _resolve_backward(fused: FusedBackend, backward: Backward | None, prior_kind: str) -> Backward:
     if backward is None:
-        return "fused" if backend == "gpu" and prior_kind != "other" else "blockwise"
+        return "fused" if fused.fused_backward and prior_kind != "other" else "blockwise"
     if backward not in ("fused", "blockwise"):
         raise ValueError(f"backward must be 'fused', 'blockwise' or None, got {backward!r}")
-    if backward == "fused" and backend != "gpu":
+    name = fused.name.upper()
+    if backward == "fused" and not fused.fused_backward:
         raise NotImplementedError(
-            f"backward='fused' exists for backend='gpu' only; the {backend.upper()} kernel has "
-            f"no fused backward yet: use backward='blockwise' (the default on {backend.upper()})"
+            f"backward='fused' exists for backend='gpu' only; the {name} kernel has "
+            f"no fused backward yet: use backward='blockwise' (the default on {name})"
         )
     if backward == "fused" and prior_kind == "other":
         raise NotImplementedError(
@@ -253,25 +273,22 @@ def _resolve_backward(backend: Backend, backward: Backward | None, prior_kind: s
     return backward
 
 
-def _choose_blocks(
-    backend: Backend,
-    interpret: bool,
-    head_dim: int,
-    q_len: int,
-    kv_len: int,
-    block_q: int | None,
-    block_k: int | None,
-) -> tuple[int, int]:
-    if backend == "cpu":
-        return CPU_BLOCK_Q, CPU_BLOCK_K
-    if backend == "gpu":
-        defaults = gpu_defaults(head_dim)
-        bq = _gpu_block("block_q", block_q or defaults.block_q, GPU_MAX_BLOCK_Q)
-        bk = _gpu_block("block_k", block_k or defaults.block_k, GPU_MAX_BLOCK_K)
-        return (
-            min(bq, max(GPU_MIN_BLOCK, pl.next_power_of_2(q_len))),
-            min(bk, max(GPU_MIN_BLOCK, pl.next_power_of_2(kv_len))),
-        )
+def _cpu_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[int, int]:
+    """The native kernel's tiles are fixed; block_q and block_k are ignored."""
+    return CPU_BLOCK_Q, CPU_BLOCK_K
+
+
+def _gpu_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[int, int]:
+    defaults = gpu_defaults(head_dim)
+    bq = _gpu_block("block_q", block_q or defaults.block_q, GPU_MAX_BLOCK_Q)
+    bk = _gpu_block("block_k", block_k or defaults.block_k, GPU_MAX_BLOCK_K)
+    return (
+        min(bq, max(GPU_MIN_BLOCK, pl.next_power_of_2(q_len))),
+        min(bk, max(GPU_MIN_BLOCK, pl.next_power_of_2(kv_len))),
+    )
+
+
+def _tpu_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[int, int]:
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value is not None and (value <= 0 or value % 8):
             raise ValueError(f"{name} must be a positive multiple of 8 on TPU, got {value}")
@@ -280,6 +297,49 @@ def _choose_blocks(
     lanes = 8 if interpret else TPU_LANES
     bk = round_up(min(block_k or TPU_DEFAULT_BLOCK_K, round_up(kv_len, 8)), lanes)
     return bq, bk
+
+
+FUSED_BACKENDS: dict[str, FusedBackend] = {
+    "gpu": FusedBackend(
+        name="gpu",
+        pallas=True,
+        fused_backward=True,
+        table_prior_only=False,
+        approx_math=True,
+        prior_reuse=True,
+        pads_head_dim=True,
+        min_queries=0,
+        reads_window_only=False,
+        choose_blocks=_gpu_blocks,
+    ),
+    "tpu": FusedBackend(
+        name="tpu",
+        pallas=True,
+        fused_backward=False,
+        table_prior_only=False,
+        approx_math=False,
+        prior_reuse=False,
+        pads_head_dim=False,
+        min_queries=0,
+        reads_window_only=False,
+        choose_blocks=_tpu_blocks,
+    ),
+    # The native kernel has no per-element transcendental path, so it reads the prior's
+    # table; decode steps (fewer than CPU_MIN_QUERIES queries) run blockwise attention,
+    # which does not compute whole 64-query blocks.
+    "cpu": FusedBackend(
+        name="cpu",
+        pallas=False,
+        fused_backward=False,
+        table_prior_only=True,
+        approx_math=False,
+        prior_reuse=False,
+        pads_head_dim=False,
+        min_queries=cpu.CPU_MIN_QUERIES,
+        reads_window_only=True,
+        choose_blocks=_cpu_blocks,
+    ),
+}
 
 
 def _gpu_block(name: str, value: int, largest: int) -> int:
@@ -347,7 +407,8 @@ def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
     """Output [B, T, H, D] and log-sum-exp [B, H, T] (natural log, +inf for empty rows)."""
     _, q_len, num_heads, head_dim = q.shape
     head_params = _head_params(config, prior, ssmax_scale_H, num_heads)
-    if config.backend == "cpu":
+    fused = FUSED_BACKENDS[config.backend]
+    if not fused.pallas:
         out, lse = cpu_forward(
             config,
             q,
@@ -362,7 +423,7 @@ def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
         )
         return out.astype(q.dtype), lse
     q_pad, kv_pad = config.padded_q_len, config.padded_kv_len
-    d_pad = pl.next_power_of_2(head_dim) if config.backend == "gpu" else head_dim
+    d_pad = pl.next_power_of_2(head_dim) if fused.pads_head_dim else head_dim
     q_p = pad_to(pad_to(q, 1, q_pad), 3, d_pad)
     k_p = pad_to(pad_to(k, 1, kv_pad), 3, d_pad)
     v_p = pad_to(pad_to(v, 1, kv_pad), 3, d_pad)
@@ -372,7 +433,7 @@ def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
     if config.segments:
         q_seg = pad_to(aux.q_seg_BxT.astype(jnp.int32), 1, q_pad, -1)[..., None]
         k_seg = pad_to(aux.k_seg_BxS.astype(jnp.int32), 1, kv_pad, -1)[:, None, :]
-    run = gpu_forward if config.backend == "gpu" else tpu_forward
+    run = {"gpu": gpu_forward, "tpu": tpu_forward}[config.backend]
     out, lse = run(
         config, q_p, k_p, v_p, head_params, log_n, q_seg, k_seg, aux.offset_1, aux.prior_table_HxX
     )

@@ -53,8 +53,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bam_jax.attention import PALLAS_VALIDATED_DEVICES, reference_attention
+from bam_jax.attention import reference_attention
 from bam_jax.blockwise import blockwise_attention
+from bam_jax.implementation import FUSED_VALIDATED_DEVICES
 from bam_jax.masking import AttentionMask, visibility_mask
 from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
@@ -96,7 +97,7 @@ AUTOTUNE_GRID = {
     "num_warps": (4, 8),
     "num_stages": (2, 3),
 }
-TRAINING_IMPLEMENTATIONS = ("pallas", "blockwise", "cudnn")
+TRAINING_IMPLEMENTATIONS = ("fused", "blockwise", "cudnn")
 
 
 class UserError(Exception):
@@ -743,11 +744,11 @@ def training_skip_reason(implementation: str, settings: Settings, gate_passed: b
     if implementation == "cudnn":
         return (
             "not run: ModelConfig.attention_impl has no cuDNN option "
-            "(bam_jax/config.py ATTENTION_IMPLEMENTATIONS)"
+            "(bam_jax/implementation.py IMPLEMENTATIONS)"
         )
-    if implementation == "pallas" and not gate_passed:
+    if implementation == "fused" and not gate_passed:
         return "skipped: the gate failed"
-    if implementation == "pallas" and settings.interpret:
+    if implementation == "fused" and settings.interpret:
         return "skipped: the model runs the kernel compiled only (no interpret mode) on GPU/TPU"
     return None
 
@@ -938,13 +939,13 @@ def header(settings: Settings, args: argparse.Namespace, today: datetime.date) -
     mode = "compiled"
     if settings.interpret:
         mode = "smoke run, Pallas in interpret mode: timings mean nothing"
-    validated = "yes" if kind in PALLAS_VALIDATED_DEVICES else "no"
+    validated = "yes" if kind in FUSED_VALIDATED_DEVICES else "no"
     return [
         f"# Accelerator check: {kind}, {today.isoformat()}",
         "",
         f"jax {jax.__version__}, platform {settings.platform}, {jax.device_count()} device(s), "
         f"{mode}; deadline {args.deadline_s:.0f} s. "
-        f"Listed in PALLAS_VALIDATED_DEVICES: {validated}.",
+        f"Listed in FUSED_VALIDATED_DEVICES: {validated}.",
     ]
 
 

@@ -86,7 +86,7 @@ def attention_call(queries: int, target: str | None) -> Callable[[], None]:
             prior=prior,
             ssmax_scale_H=jnp.full((HEADS,), 0.3),
             query_offset=offset,
-            implementation="blockwise" if target is None else "pallas",
+            implementation="blockwise" if target is None else "fused",
             block_q=tiles[0],
             block_k=tiles[1],
         )

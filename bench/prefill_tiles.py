@@ -6,7 +6,7 @@ CPU kernel; prints a table.
 
 One 512-query chunk sits at the end of S cached keys (batch, heads, head dim and S from
 --shape), with the GGD prior and SSMax, as every chunk of a long passkey prompt does late in
-its prefill. Each blockwise tiling and the fused CPU kernel (`implementation="pallas"` on
+its prefill. Each blockwise tiling and the fused CPU kernel (`implementation="fused"` on
 CPU; --no-kernel leaves it out) compile once; then they run in turn, --rounds times, so a
 slow spell of a shared machine hits them alike. Reported: the median and fastest wall time
 per chunk, and the attention's FLOPs (4 x head dim per logit of the chunk's S keys) per
@@ -53,7 +53,7 @@ def chunk_attention(shape: tuple[int, int, int, int], tiles: tuple[int, int] | N
             prior=prior,
             ssmax_scale_H=jnp.full((heads,), 0.3),
             query_offset=offset,
-            implementation="blockwise" if tiles else "pallas",
+            implementation="blockwise" if tiles else "fused",
             block_q=tiles[0] if tiles else None,
             block_k=tiles[1] if tiles else None,
         )

@@ -36,7 +36,7 @@ PERPLEXITY_FIELDS = ("positions", "loss", "perplexity")
 @dataclasses.dataclass(frozen=True)
 class InferenceSettings:
     """How the models run: prefill chunk, attention implementation (None: the evaluation's
-    default, `bam_eval.models.inference_implementation`) and blocks, compute dtype
+    default, `bam_jax.implementation.resolve_implementation`) and blocks, compute dtype
     (parameters stay float32), batch size (None: the largest within the memory budget) and
     that budget."""
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from bam_eval import api, plots
 from bam_eval.models import EvalModel
 from bam_eval.perplexity import PACKINGS
-from bam_jax.attention import IMPLEMENTATION_CHOICES
+from bam_jax.implementation import IMPLEMENTATION_CHOICES
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_jax.passkey import SAMPLINGS
@@ -126,8 +126,8 @@ def _inference_options(parser: argparse.ArgumentParser) -> None:
         choices=IMPLEMENTATION_CHOICES,
         default="auto",
         help="attention implementation (default auto: the fused kernel on CPU where its build "
-        "has AVX-512 and BAM_JAX_CPU_KERNEL does not turn it off, else blockwise; pallas on "
-        "validated GPUs and TPUs)",
+        "has AVX-512 and BAM_JAX_CPU_KERNEL does not turn it off, else blockwise; the fused "
+        "kernel on validated GPUs and TPUs; pallas is fused's earlier name)",
     )
     parser.add_argument("--block-q", type=positive, default=None, help="attention query block")
     parser.add_argument("--block-k", type=positive, default=None, help="attention key block")

@@ -18,11 +18,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bam_jax.attention import IMPLEMENTATION_CHOICES, default_implementation
 from bam_jax.config import ModelConfig
+from bam_jax.implementation import resolve_implementation
 from bam_jax.io.checkpoints import checkpoint_dir, checkpoint_steps, error_summary, load_params
 from bam_jax.io.files import run_path
-from bam_jax.kernels.cpu import cpu_kernel_preferred
 from bam_jax.model import Transformer, reconfigure
 from bam_jax.reference_checkpoint import load_reference_checkpoint
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
@@ -32,21 +31,6 @@ REFERENCE_WEIGHTS = ("model.pt", "model.npz")
 # whole default chunk and 1024-key blocks, faster than 256 x 256 tiles over a long cache on
 # CPUs (docs/benchmarks.md has the measurements). Pallas keeps its backend's own tiles.
 BLOCKWISE_INFERENCE_BLOCKS = (512, 1024)
-
-
-def inference_implementation(choice: str | None = None) -> str:
-    """The attention evaluation runs: `choice` unless None or "auto"; by default the fused
-    kernel's CPU backend on CPU where `cpu_kernel_preferred()` says it is faster than
-    blockwise attention (it builds with AVX-512, and neither `use_cpu_kernel(False)` nor
-    BAM_JAX_CPU_KERNEL=off turned it off; docs/benchmarks.md), else
-    `default_implementation()`."""
-    if choice not in (None, *IMPLEMENTATION_CHOICES):
-        raise ValueError(f"attention must be one of {IMPLEMENTATION_CHOICES}, got {choice!r}")
-    if choice not in (None, "auto"):
-        return choice
-    if jax.default_backend() == "cpu" and cpu_kernel_preferred():
-        return "pallas"
-    return default_implementation()
 
 
 @dataclasses.dataclass
@@ -234,13 +218,13 @@ def for_inference(
     block_k: int | None = None,
     dtype: str | None = None,
 ) -> Transformer:
-    """The same weights under an inference configuration: `inference_implementation`'s
-    attention unless given, unrolled layers (the
+    """The same weights under an inference configuration: the attention
+    `resolve_implementation(attention_impl, purpose="inference")` chooses, unrolled layers (the
     cache is then updated in place), no remat, optional dtype, and attention blocks
     `block_q` x `block_k`, by default BLOCKWISE_INFERENCE_BLOCKS for blockwise attention
     and the kernel's own for the fused kernel (never the blocks the model was trained with,
     which may be sized for short training rows)."""
-    implementation = inference_implementation(attention_impl)
+    implementation = resolve_implementation(attention_impl, purpose="inference", field="attention")
     default_q, default_k = (
         BLOCKWISE_INFERENCE_BLOCKS if implementation == "blockwise" else (None, None)
     )

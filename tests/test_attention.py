@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from bam_jax import blockwise
-from bam_jax.attention import default_implementation, dot_product_attention
+from bam_jax.attention import dot_product_attention
 from bam_jax.blockwise import window_keys
+from bam_jax.implementation import resolve_implementation
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes, init_ggd_prior
 
 
@@ -503,7 +504,7 @@ def test_the_default_implementation_is_the_scalable_one_and_matches_the_referenc
         jnp.asarray([0.5, 1.0, -0.3, 2.0]), jnp.asarray([0.1, -0.4, 0.6, 1.5]), jnp.zeros(4)
     )
     kwargs = dict(prior=prior, ssmax_scale_H=jnp.full((4,), 0.7), block_q=32, block_k=32)
-    assert default_implementation() == "blockwise"
+    assert resolve_implementation() == "blockwise"
     chosen = dot_product_attention(q, k, v, **kwargs)
     blockwise = dot_product_attention(q, k, v, implementation="blockwise", **kwargs)
     reference = dot_product_attention(q, k, v, implementation="reference", **kwargs)

@@ -17,7 +17,7 @@ from bam_jax.config import ModelConfig
 from bam_jax.model import Attention
 from bam_jax.priors import GGDPrior, init_ggd_prior
 
-IMPLEMENTATIONS = ("reference", "blockwise", "pallas")
+IMPLEMENTATIONS = ("reference", "blockwise", "fused")
 BATCH, HEADS, HEAD_DIM = 2, 2, 4
 
 

@@ -92,7 +92,7 @@ GPU_INTERPRET_CASES = {
 PRIMALS = ("q", "k", "v", "theta_alpha", "theta_beta", "theta_mu", "ssmax_scale")
 IMPLEMENTATIONS = {
     "blockwise": functools.partial(dot_product_attention, implementation="blockwise"),
-    "pallas": functools.partial(dot_product_attention, implementation="pallas"),
+    "fused": functools.partial(dot_product_attention, implementation="fused"),
     "gpu_interpret": functools.partial(
         pallas_attention, backend="gpu", interpret=True, backward="fused"
     ),
@@ -216,7 +216,7 @@ def test_blockwise_gradients_match_float64(name: str) -> None:
 @needs_compiler
 @pytest.mark.parametrize("name", default_or_slow(sorted(CASES)))
 def test_fused_cpu_kernel_gradients_match_float64(name: str) -> None:
-    check_against_float64(CASES[name], "pallas")
+    check_against_float64(CASES[name], "fused")
 
 
 @pytest.mark.slow

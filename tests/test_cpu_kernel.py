@@ -153,7 +153,7 @@ def test_implementation_pallas_on_cpu_is_the_cpu_kernel() -> None:
     kwargs = dict(prior=inputs["prior"], ssmax_scale_H=inputs["ssmax"], ssmax_prior_inside=False)
     args = (inputs["q"], inputs["k"], inputs["v"])
     chosen = dot_product_attention(
-        *args, **kwargs, query_offset=case.offset, implementation="pallas"
+        *args, **kwargs, query_offset=case.offset, implementation="fused"
     )
     kernel = pallas_attention(*args, **kwargs, query_offset=case.offset, backend="cpu")
     np.testing.assert_array_equal(chosen, kernel)
@@ -284,16 +284,17 @@ def test_the_build_is_cached_by_source(monkeypatch: pytest.MonkeyPatch, tmp_path
 def test_evaluation_runs_the_cpu_kernel_unless_told_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from bam_eval.models import inference_implementation
+    from bam_jax.implementation import resolve_implementation
 
     monkeypatch.setattr(cpu, "_cpu_may_have_avx512", lambda: True)
     monkeypatch.setattr(cpu, "_built_with_avx512", lambda library: True)
     monkeypatch.delenv(cpu.SWITCH_ENV, raising=False)
-    assert inference_implementation() == "pallas"
-    assert inference_implementation("auto") == "pallas"
-    assert inference_implementation("blockwise") == "blockwise"
-    with pytest.raises(ValueError, match="attention must be one of"):
-        inference_implementation("flash")
+    assert resolve_implementation(purpose="inference") == "fused"
+    assert resolve_implementation("auto", purpose="inference") == "fused"
+    assert resolve_implementation("blockwise", purpose="inference") == "blockwise"
+    assert resolve_implementation() == "blockwise"  # training: the kernel's backward is blockwise
+    with pytest.raises(ValueError, match="--attention must be one of"):
+        resolve_implementation("flash", purpose="inference", field="--attention")
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="-mno-avx512f is an x86 flag")

@@ -166,7 +166,7 @@ def test_an_unwritable_cache_leaves_evaluation_on_blockwise(
     caplog: pytest.LogCaptureFixture,
     fresh_choice: None,
 ) -> None:
-    from bam_eval.models import inference_implementation
+    from bam_jax.implementation import resolve_implementation
 
     monkeypatch.setattr(cpu, "_register", functools.cache(cpu._register.__wrapped__))
 
@@ -177,8 +177,8 @@ def test_an_unwritable_cache_leaves_evaluation_on_blockwise(
     monkeypatch.setattr(cpu, "_cpu_may_have_avx512", lambda: True)
     monkeypatch.setenv(cpu.CACHE_ENV, str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="bam.kernels"):
-        assert inference_implementation() == "blockwise"
-        assert inference_implementation() == "blockwise"
+        assert resolve_implementation(purpose="inference") == "blockwise"
+        assert resolve_implementation(purpose="inference") == "blockwise"
     assert len(caplog.records) == 1
     assert "Read-only file system" in caplog.text and cpu.CACHE_ENV in caplog.text
 
@@ -224,15 +224,15 @@ def test_a_failed_build_is_not_retried(monkeypatch: pytest.MonkeyPatch, tmp_path
 def test_the_switch_turns_the_kernel_off_and_on(
     monkeypatch: pytest.MonkeyPatch, fresh_choice: None
 ) -> None:
-    from bam_eval.models import inference_implementation
+    from bam_jax.implementation import resolve_implementation
 
     monkeypatch.setattr(cpu, "_built_with_avx512", lambda library: False)
     assert not cpu.cpu_kernel_preferred()
     for value in ("1", "on", "ON"):
         monkeypatch.setenv(cpu.SWITCH_ENV, value)
-        assert cpu.cpu_kernel_preferred() and inference_implementation() == "pallas"
+        assert cpu.cpu_kernel_preferred() and resolve_implementation(purpose="inference") == "fused"
     cpu.use_cpu_kernel(False)
-    assert inference_implementation() == "blockwise"
+    assert resolve_implementation(purpose="inference") == "blockwise"
     monkeypatch.setattr(cpu, "_register", lambda: pytest.fail("built although switched off"))
     for value in ("0", "off"):
         cpu.use_cpu_kernel(None)
@@ -248,18 +248,18 @@ def test_the_switch_turns_the_kernel_off_and_on(
 def test_automatic_choice_needs_an_avx512_build(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_choice: None
 ) -> None:
-    from bam_eval.models import inference_implementation
+    from bam_jax.implementation import resolve_implementation
 
     monkeypatch.setattr(cpu, "_cpu_may_have_avx512", lambda: True)
     monkeypatch.setattr(cpu, "_built_with_avx512", lambda library: False)
     with caplog.at_level(logging.INFO, logger="bam.kernels"):
-        assert inference_implementation() == "blockwise"
+        assert resolve_implementation(purpose="inference") == "blockwise"
     assert "without AVX-512" in caplog.text
     monkeypatch.setattr(cpu, "_built_with_avx512", lambda library: True)
-    assert inference_implementation() == "pallas"
+    assert resolve_implementation(purpose="inference") == "fused"
     monkeypatch.setattr(cpu, "_cpu_may_have_avx512", lambda: False)
     monkeypatch.setattr(cpu, "_register", lambda: pytest.fail("built on a CPU without AVX-512"))
-    assert inference_implementation() == "blockwise"
+    assert resolve_implementation(purpose="inference") == "blockwise"
 
 
 @pytest.mark.parametrize("window", [2**31 - 1, 2**31, 2**40])

@@ -59,10 +59,12 @@ def test_inference_tiles_are_the_implementation_s_not_the_training_ones() -> Non
     model = random_model(config)
     blockwise = for_inference(model, attention_impl="blockwise").config
     assert (blockwise.block_q, blockwise.block_k) == BLOCKWISE_INFERENCE_BLOCKS
-    # Pallas keeps its backend's tiles: blockwise's 1024-key blocks exceed Triton's limit.
-    pallas = for_inference(model, attention_impl="pallas").config
-    assert (pallas.block_q, pallas.block_k) == (None, None)
+    # The fused kernel keeps its backend's tiles: blockwise's 1024-key blocks exceed Triton's.
+    fused = for_inference(model, attention_impl="fused").config
+    assert (fused.attention_impl, fused.block_q, fused.block_k) == ("fused", None, None)
+    # "pallas", the earlier name, is the same choice.
     chosen = for_inference(model, attention_impl="pallas", block_q=32, block_k=16).config
+    assert chosen.attention_impl == "fused"
     assert (chosen.block_q, chosen.block_k) == (32, 16)
 
 

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bam_jax import attention
-from bam_jax.attention import default_implementation, dot_product_attention, reference_attention
+from bam_jax import implementation
+from bam_jax.attention import dot_product_attention, reference_attention
 from bam_jax.config import ModelConfig
+from bam_jax.implementation import resolve_implementation
 from bam_jax.kernels.lowering import kernel_modules, lower_for, tile_op_counts
 from bam_jax.masking import AttentionMask, visibility_mask
 from bam_jax.pallas_attention import pallas_attention
@@ -373,20 +374,24 @@ class FakeDevice:
 
 def test_dispatch_and_default_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
     # Blockwise everywhere until a device kind has passed bench/accelerator_check.py.
-    assert default_implementation() == "blockwise"
+    assert resolve_implementation() == "blockwise"
     h200 = FakeDevice("gpu", "NVIDIA H200")
-    assert default_implementation(h200) == "blockwise"
-    assert default_implementation(FakeDevice("tpu", "TPU v5 lite")) == "blockwise"
-    monkeypatch.setattr(attention, "PALLAS_VALIDATED_DEVICES", ("NVIDIA H200",))
-    assert default_implementation(h200) == "pallas"
-    assert default_implementation(FakeDevice("gpu", "NVIDIA A100-SXM4-80GB")) == "blockwise"
-    assert default_implementation(FakeDevice("cpu", "NVIDIA H200")) == "blockwise"
+    assert resolve_implementation(device=h200) == "blockwise"
+    assert resolve_implementation(device=FakeDevice("tpu", "TPU v5 lite")) == "blockwise"
+    monkeypatch.setattr(implementation, "FUSED_VALIDATED_DEVICES", ("NVIDIA H200",))
+    assert resolve_implementation(device=h200) == "fused"
+    assert resolve_implementation("pallas", device=h200) == "fused"
+    a100 = FakeDevice("gpu", "NVIDIA A100-SXM4-80GB")
+    assert resolve_implementation(device=a100) == "blockwise"
+    assert resolve_implementation(device=FakeDevice("cpu", "NVIDIA H200")) == "blockwise"
+    with pytest.raises(ValueError, match=r"implementation must be one of \('auto', 'reference'"):
+        resolve_implementation("flash")
 
 
 def test_default_tiles_are_each_kernel_backend_s_own() -> None:
     # A model or a call that names no tiles gets the kernel's: blockwise's 256-key blocks
     # would exceed Triton's 128 on GPU.
-    config = ModelConfig(attention_impl="pallas")
+    config = ModelConfig(attention_impl="fused")
     defaults = inspect.signature(dot_product_attention).parameters
     assert (defaults["block_q"].default, defaults["block_k"].default) == (None, None)
     case = Case(q_len=40, ssmax=True, block_q=config.block_q, block_k=config.block_k)

@@ -174,7 +174,7 @@ def test_blockwise_under_x64(name: str) -> None:
 @pytest.mark.parametrize("name", only_documents_by_default(sorted(CASES)))
 def test_fused_cpu_kernel_under_x64(name: str) -> None:
     # The native forward and the blockwise backward.
-    check_x64(CASES[name], lambda: implementation_run(CASES[name], "pallas"))
+    check_x64(CASES[name], lambda: implementation_run(CASES[name], "fused"))
 
 
 @pytest.mark.parametrize(
@@ -208,9 +208,9 @@ def model_loss_and_gradients(config: ModelConfig) -> tuple[np.ndarray, list[np.n
     return np.asarray(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
-@pytest.mark.parametrize("implementation", ["blockwise", "pallas"])
+@pytest.mark.parametrize("implementation", ["blockwise", "fused"])
 def test_transformer_forward_and_gradients_under_x64(implementation: str) -> None:
-    if implementation == "pallas" and not HAS_COMPILER:
+    if implementation == "fused" and not HAS_COMPILER:
         pytest.skip("the CPU kernel needs a C++ compiler")
     config = ModelConfig.of_size(
         "nano", encoding="bam_ssmax", attention_impl=implementation, max_seq_len=20

@@ -92,7 +92,7 @@ _logged: set[str] = set()
 def use_cpu_kernel(enabled: bool | None) -> None:
     """Whether automatic choices may run the CPU kernel: True whenever it builds, False
     never, None (the default) as `$BAM_JAX_CPU_KERNEL` says, else where it is faster than
-    blockwise attention. Explicit choices (`implementation="pallas"` on CPU,
+    blockwise attention. Explicit choices (`implementation="fused"` on CPU,
     `pallas_attention(backend="cpu")`) run the kernel whatever this says."""
     global _switch_override
     if enabled not in (True, False, None):
