@@ -8,6 +8,13 @@ from typing import Any
 
 from bam_jax.implementation import canonical_implementation
 from bam_jax.priors import check_ggd_form
+from bam_jax.validation import (
+    check_bool_fields,
+    check_positive_int,
+    dataclass_from_dict,
+    is_float32_number,
+    is_int,
+)
 
 POSITIONAL_FAMILIES = ("nope", "sinusoidal", "rope", "rope_local", "alibi", "bam")
 SSMAX_SUFFIX = "_ssmax"
@@ -15,7 +22,6 @@ ENCODINGS = POSITIONAL_FAMILIES + tuple(
     family + SSMAX_SUFFIX for family in POSITIONAL_FAMILIES if family != "rope_local"
 )
 DTYPES = ("float32", "bfloat16")
-FLOAT32_MAX = 3.4028234663852886e38
 ALPHA_INIT_MODES = ("slope", "sampled")
 BETA_INIT_MODES = ("linear", "sampled")
 
@@ -170,19 +176,19 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("block_q", "block_k"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is not None:
-            _check_positive_int("n_kv_heads", self.n_kv_heads)
+            check_positive_int("n_kv_heads", self.n_kv_heads)
         if self.local_window is not None:
-            _check_positive_int("local_window", self.local_window)
+            check_positive_int("local_window", self.local_window)
         self._check_ssmax_capped_layers()
         self._check_local_layers()
         for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta", "sinusoidal_theta"):
             value = getattr(self, name)
-            if not _is_float32_number(value) or value <= 0:
+            if not is_float32_number(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive finite float32 number, got {value!r}")
         Encoding.parse(self.encoding)
         if self.dim % self.n_heads:
@@ -204,17 +210,15 @@ class ModelConfig:
         _check_init("prior_alpha_init", self.prior_alpha_init, ALPHA_INIT_MODES, positive=True)
         _check_init("prior_beta_init", self.prior_beta_init, BETA_INIT_MODES, positive=False)
         check_ggd_form("prior_form", self.prior_form)
-        if not _is_float32_number(self.prior_mu_init):
+        if not is_float32_number(self.prior_mu_init):
             raise ValueError(
                 f"prior_mu_init must be a finite float32 number, got {self.prior_mu_init!r}"
             )
-        for field in dataclasses.fields(self):
-            if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
-                raise ValueError(f"{field.name} must be a bool, got {getattr(self, field.name)!r}")
+        check_bool_fields(self)
 
     def _check_local_layers(self) -> None:
         local = self.local_layers
-        if not isinstance(local, int) or isinstance(local, bool):
+        if not is_int(local):
             raise ValueError(f"local_layers must be an int, got {local!r}")
         if not 0 <= local <= self.n_layers:
             raise ValueError(f"local_layers must be in [0, n_layers={self.n_layers}], got {local}")
@@ -226,7 +230,7 @@ class ModelConfig:
 
     def _check_ssmax_capped_layers(self) -> None:
         capped = self.ssmax_capped_layers
-        if not isinstance(capped, int) or isinstance(capped, bool):
+        if not is_int(capped):
             raise ValueError(f"ssmax_capped_layers must be an int, got {capped!r}")
         if not 0 <= capped <= self.n_layers:
             raise ValueError(
@@ -345,17 +349,10 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {unknown}")
-        return cls(**d)
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    def from_dict(cls, d: dict[str, Any], path: str = "model") -> ModelConfig:
+        """The config of a mapping such as a run's config.json "model" section
+        (`bam_jax.validation.dataclass_from_dict`: errors name the key path)."""
+        return dataclass_from_dict(cls, d, path)
 
 
 def _check_init(name: str, value: Any, modes: tuple[str, ...], *, positive: bool) -> None:
@@ -363,14 +360,7 @@ def _check_init(name: str, value: Any, modes: tuple[str, ...], *, positive: bool
         if value not in modes:
             raise ValueError(f"{name} must be one of {modes} or a number, got {value!r}")
         return
-    if not _is_float32_number(value):
+    if not is_float32_number(value):
         raise ValueError(f"{name} must be one of {modes} or a finite float32 number, got {value!r}")
     if positive and value <= 0:
         raise ValueError(f"{name} must be positive (it is exp(theta_alpha)), got {value!r}")
-
-
-def _is_float32_number(value: object) -> bool:
-    """A real number (not a bool) that is finite in float32."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return False
-    return math.isfinite(value) and abs(value) <= FLOAT32_MAX

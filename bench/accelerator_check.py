@@ -725,7 +725,7 @@ def run_throughput(run: ThroughputRun, variants: tuple[str, ...]) -> None:
 def training_config(implementation: str, settings: Settings):
     """The l12_512 preset in bf16 on passkey data, batch reduced to one device's share."""
     from bam_configs.presets import preset
-    from bam_train.data import DataConfig
+    from bam_configs.training import DataConfig
 
     cfg = preset("l12_512")
     model = cfg.model.replace(attention_impl=implementation, dtype="bfloat16")

@@ -31,9 +31,9 @@ import time
 import jax
 
 from bam_configs.presets import preset
+from bam_configs.training import DataConfig, TrainConfig
 from bam_jax.model import count_params
-from bam_train.config import TrainConfig
-from bam_train.data import DataConfig, train_iterator
+from bam_train.data import train_iterator
 from bam_train.setup import build
 from bench.matmul_rate import matmul_gflops
 

@@ -50,10 +50,9 @@ from collections.abc import Callable
 
 from ml_collections import ConfigDict
 
+from bam_configs.training import DataConfig, MeshConfig, OptimConfig, TrainConfig, to_config_dict
 from bam_jax.config import ModelConfig
 from bam_jax.io.documents import STDLIB
-from bam_train.config import MeshConfig, OptimConfig, TrainConfig, to_config_dict
-from bam_train.data import DataConfig
 
 PAPER_SIZES = ("l6", "l8", "l12", "l15", "l18", "l24")
 PAPER_CONTEXTS = (512, 1024)

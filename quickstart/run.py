@@ -19,13 +19,13 @@ import time
 from collections.abc import Sequence
 
 from bam_configs.presets import preset
+from bam_configs.training import TrainConfig
 from bam_eval import api
 from bam_eval import plots as plot_lib
 from bam_eval.models import EvalModel
 from bam_jax.config import Encoding
 from bam_jax.io.documents import held_out_source
 from bam_jax.logs import log_to_stdout
-from bam_train.config import TrainConfig
 from bam_train.loop import train
 from bam_train.signals import INTERRUPTED_STATUS
 

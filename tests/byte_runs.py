@@ -5,8 +5,7 @@ import json
 import numpy as np
 
 from bam_configs.presets import preset
-from bam_train.config import TrainConfig
-from bam_train.data import DataConfig
+from bam_configs.training import DataConfig, TrainConfig
 
 WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "green", "blue", "sun", "sky")
 

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from bam_configs.training import DataConfig
 from bam_jax import passkey
 from bam_jax.io import documents
 from bam_jax.io import shards as shard_readers
@@ -15,7 +16,6 @@ from bam_jax.tokenizers import get_tokenizer
 from bam_train import shards
 from bam_train.data import (
     BatchLayout,
-    DataConfig,
     PasskeyRows,
     build_rows,
     local_batches,

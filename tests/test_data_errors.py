@@ -12,11 +12,12 @@ import pytest
 from flax import nnx
 
 from bam_configs.presets import preset
+from bam_configs.training import DataConfig
 from bam_jax.io import shards as shard_readers
 from bam_jax.io.documents import Document, iter_documents, located_documents
 from bam_jax.tokenizers import ByteTokenizer, get_tokenizer
 from bam_train import loop, shards
-from bam_train.data import DataConfig, build_rows, tokenize_documents
+from bam_train.data import build_rows, tokenize_documents
 
 GOOD = json.dumps({"text": "a good line"})
 

@@ -32,8 +32,8 @@ CONFIG = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_s
 def workdir(tmp_path_factory) -> Path:
     """A training workdir with one checkpoint (step 3) of an untrained micro model."""
     from bam_configs.presets import preset
+    from bam_configs.training import DataConfig
     from bam_train.checkpoint import Checkpointer
-    from bam_train.data import DataConfig
     from bam_train.optim import make_optimizer
     from bam_train.state import ModelParts, init_state
 

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 from bam_configs.presets import preset
+from bam_configs.training import DataConfig
 from bam_jax.io.checkpoints import load_model, load_params
 from bam_train.checkpoint import Checkpointer
-from bam_train.data import DataConfig
 from bam_train.optim import make_optimizer
 from bam_train.state import ModelParts, init_state
 

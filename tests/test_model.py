@@ -407,7 +407,7 @@ def test_config_roundtrip_and_presets():
     assert tiny.vocab_size == 259 and tiny.dim == 64
     with pytest.raises(ValueError, match="model size"):
         ModelConfig.of_size("l7")
-    with pytest.raises(ValueError, match="unknown ModelConfig fields"):
+    with pytest.raises(ValueError, match=r"config: unknown field 'model\.colour'; valid fields"):
         ModelConfig.from_dict({**config.to_dict(), "colour": 1})
 
 

@@ -320,3 +320,50 @@ def edits_import_path(source: str) -> bool:
         and node.value.value.id == "sys"
         for node in ast.walk(ast.parse(source))
     )
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Installed package -> the other installed packages its modules import."""
+    packages = {name.split(".")[0] for name in PYPROJECT["tool"]["setuptools"]["packages"]}
+    edges: dict[str, set[str]] = {name: set() for name in packages}
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                else:
+                    continue
+                edges[package] |= {n.split(".")[0] for n in names} & packages - {package}
+    return edges
+
+
+def test_the_packages_import_each_other_without_a_cycle():
+    edges = _package_imports()
+    assert "bam_train" not in edges["bam_configs"], "the presets import the trainer"
+    assert edges["bam_jax"] == set(), "the library imports a command's package"
+
+    def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
+        return any(
+            n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in edges[start]
+        )
+
+    cycles = sorted(package for package in edges if reaches(package, package))
+    assert not cycles, f"packages in an import cycle: {cycles} ({edges})"
+
+
+def test_building_every_preset_imports_no_data_pipeline_or_trainer():
+    script = (
+        "import sys\n"
+        "from bam_configs.presets import TRAINING_PRESETS, preset\n"
+        "for name in TRAINING_PRESETS:\n"
+        "    preset(name)\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in ('grain', 'bam_train')]\n"
+        "print(sorted(loaded))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from bam_configs.presets import PAPER_CONTEXTS, PAPER_SIZES, TRAINING_PRESETS, preset
+from bam_configs.training import DataConfig, validate_for_runtime
 from bam_jax.tokenizers import get_tokenizer
 from bam_train import dry_run as dry_run_module
-from bam_train.config import validate_for_runtime
-from bam_train.data import BatchLayout, DataConfig, val_batches
+from bam_train.data import BatchLayout, val_batches
 from bam_train.dry_run import dry_run, format_dry_run
 from bam_train.setup import build
 from bam_train.shards import write_shards

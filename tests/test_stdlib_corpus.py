@@ -7,6 +7,7 @@ import sysconfig
 import pytest
 
 from bam_configs.presets import preset
+from bam_configs.training import validate_for_runtime
 from bam_eval.perplexity import load_rows
 from bam_jax.io.documents import (
     STDLIB,
@@ -18,7 +19,6 @@ from bam_jax.io.documents import (
 )
 from bam_jax.tokenizers import ByteTokenizer
 from bam_quickstart.run import COMPARE_ENCODINGS, quickstart_config
-from bam_train.config import validate_for_runtime
 
 
 @pytest.fixture

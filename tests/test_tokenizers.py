@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 
+from bam_configs.training import DataConfig
 from bam_jax.passkey import build_passkey_sample
 from bam_jax.tokenizers import (
     ByteTokenizer,
@@ -11,7 +12,7 @@ from bam_jax.tokenizers import (
     get_tokenizer,
     mistral_model_path,
 )
-from bam_train.data import DataConfig, PasskeyRows
+from bam_train.data import PasskeyRows
 
 TEXT = "The pass key is 12345. Remember it. Ünïcode too."
 

@@ -7,9 +7,14 @@ import pytest
 
 from bam_configs import presets
 from bam_configs.presets import PAPER_SIZES, TRAINING_PRESETS, get_config, preset
+from bam_configs.training import (
+    DataConfig,
+    MeshConfig,
+    OptimConfig,
+    TrainConfig,
+    validate_for_runtime,
+)
 from bam_train.cli import main, parse_args
-from bam_train.config import MeshConfig, OptimConfig, TrainConfig, validate_for_runtime
-from bam_train.data import DataConfig
 
 PROG = "bam-train"
 
@@ -39,7 +44,7 @@ def test_config_from_python_file_and_resolved_json(tmp_path):
     py = tmp_path / "my_config.py"
     py.write_text(
         "from bam_configs.presets import preset\n"
-        "from bam_train.config import to_config_dict\n"
+        "from bam_configs.training import to_config_dict\n"
         "def get_config():\n"
         "    return to_config_dict(preset('micro').replace(steps=3))\n"
     )

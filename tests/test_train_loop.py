@@ -16,13 +16,14 @@ import pytest
 from flax import nnx
 
 from bam_configs.presets import preset
+from bam_configs.training import DataConfig
 from bam_jax.io.checkpoints import load_model
 from bam_jax.model import Transformer
 from bam_jax.tokenizers import get_tokenizer
 from bam_train import loop as train_loop
 from bam_train import setup as train_setup
 from bam_train.checkpoint import read_config
-from bam_train.data import DataConfig, PasskeyRows, train_iterator
+from bam_train.data import PasskeyRows, train_iterator
 from bam_train.dry_run import dry_run
 from bam_train.loop import train
 from bam_train.metrics import read_metrics

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
+from bam_configs.training import OptimConfig
 from bam_jax.config import ModelConfig
-from bam_train.config import OptimConfig
 from bam_train.optim import learning_rates, make_optimizer, schedule
 from bam_train.state import ModelParts
 

@@ -16,13 +16,12 @@ from etils import epath
 from etils.epath import testing as epath_testing
 
 from bam_configs.presets import preset
+from bam_configs.training import DataConfig, validate_for_runtime
 from bam_jax.io.checkpoints import CheckpointReadError, checkpoint_dir, load_model
 from bam_jax.io.files import run_path
 from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.tokenizers import get_tokenizer
 from bam_train.checkpoint import Checkpointer, read_config
-from bam_train.config import validate_for_runtime
-from bam_train.data import DataConfig
 from bam_train.loop import train
 from bam_train.metrics import MetricsWriter, read_metrics
 from bam_train.resume import prepare_workdir

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from bam_train.config import MeshConfig
+from bam_configs.training import MeshConfig
 from bam_train.sharding import logical_to_spec, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ EQUIVALENCE = """
 import dataclasses, json, sys
 import jax
 from bam_configs.presets import preset
-from bam_train.config import MeshConfig
+from bam_configs.training import MeshConfig
 from bam_train.data import train_iterator
 from bam_train.setup import build
 

@@ -40,6 +40,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from bam_configs.training import TrainConfig
 from bam_jax.io.checkpoints import (
     CHECKSUMS_ITEM,
     array_checksums,
@@ -50,7 +51,6 @@ from bam_jax.io.checkpoints import (
     verify_checksums,
 )
 from bam_jax.io.files import is_url
-from bam_train.config import TrainConfig
 from bam_train.state import TrainState
 
 preservation = ocp.checkpoint_managers.preservation_policy

@@ -16,7 +16,7 @@ overridden with `--config.FIELD=VALUE`, nested with dots: `--config.model.encodi
 --config.data.path=corpus/`. A workdir that holds checkpoints is resumed from its latest one.
 
 The overrides are ml_collections' config flags on a ConfigDict mirror of the TrainConfig
-(`bam_train.config.to_config_dict`), turned back into a TrainConfig by `TrainConfig.from_dict`;
+(`bam_configs.training.to_config_dict`), turned back into a TrainConfig by `TrainConfig.from_dict`;
 `config_flags.DEFINE_config_dataclass` cannot be used directly, since it sets fields in
 place, which the frozen config dataclasses refuse.
 
@@ -43,10 +43,10 @@ from absl import flags
 from ml_collections import ConfigDict, config_flags
 
 from bam_configs.presets import TRAINING_PRESETS, preset
+from bam_configs.training import TrainConfig, describe_type, field_type, to_config_dict
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_train.checkpoint import DiskFullError, quiet_full_disk_reports
-from bam_train.config import TrainConfig, describe_type, field_type, to_config_dict
 from bam_train.dry_run import dry_run, format_dry_run
 from bam_train.loop import train
 from bam_train.setup import build

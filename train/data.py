@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 import grain
 import numpy as np
 
+from bam_configs.training import DataConfig
 from bam_jax import passkey
 from bam_jax.io.documents import Document, source_documents
 from bam_jax.io.shards import open_shards, read_meta
@@ -39,89 +40,6 @@ from bam_jax.retrieval import RetrievalTask, build_task_sample, task_min_length
 from bam_jax.tokenizers import Tokenizer, encode_checked, get_tokenizer, special_id
 
 Row = dict[str, np.ndarray]
-SOURCES = ("passkey", "text", "shards")
-PASSKEY_LOSSES = ("answer", "all")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where rows come from.
-
-    source: "passkey" | "text" | "shards"; path: .txt/.jsonl file, directory or glob, a
-    directory saved by `datasets.Dataset.save_to_disk`, "hf:NAME[:SUBSET][@SPLIT]" for a
-    Hugging Face dataset streamed from the hub, or "python-stdlib" for the interpreter's
-    standard library sources less its held-out files (text), or a shard directory (shards);
-    tokenizer: "mistral", "byte", "passkey:BASE" (BASE cut down to the passkey strings'
-    tokens), a tokenizer.json file or a directory holding one, or a SentencePiece .model
-    (passkey, text); text_key: the .jsonl or dataset field; add_bos/add_eos: around each
-    text document; shuffle: row order (text, shards; False reads the stream in order);
-    val_rows: held-out rows at the start of the data (text, shards); val_gap_tokens: tokens
-    skipped after them, so training starts that many tokens after the held-out rows (text,
-    shards); boundary_targets: also train the target that crosses into the next document
-    (EOS -> BOS) instead of masking it (text, shards).
-    Passkey: prompts are at least passkey_min_length tokens (0 = the template minimum) and at
-    most the context; passkey_prefix_digits key digits are given before the five predicted;
-    passkey_paper_filler_fraction of the prompts use the paper's filler, the rest random
-    filler sentences; passkey_task_fraction of them open with the task sentence, the rest
-    start directly with filler or the needle (so needles also sit at a document's first
-    positions); passkey_loss "answer" trains the answer digits, "all" every token;
-    passkey_lm_positions (with "answer") adds that many random prompt positions per row,
-    trained on predicting their next token; passkey_multikey_fraction of the rows are
-    multi-key prompts instead (bam_jax.retrieval: passkey_multikey_needles needles with
-    different nouns and keys, one asked for).
-    num_threads/prefetch: grain read threads and prefetch buffer (0 threads = in the loop);
-    rows are read in order whatever the thread count, so runs stay deterministic.
-    """
-
-    source: str = "passkey"
-    path: str = ""
-    tokenizer: str = "mistral"
-    text_key: str = "text"
-    add_bos: bool = True
-    add_eos: bool = True
-    shuffle: bool = True
-    val_rows: int = 64
-    val_gap_tokens: int = 0
-    boundary_targets: bool = False
-    passkey_min_length: int = 0
-    passkey_prefix_digits: int = 1
-    passkey_paper_filler_fraction: float = 0.25
-    passkey_task_fraction: float = 1.0
-    passkey_lm_positions: int = 0
-    passkey_loss: str = "answer"
-    passkey_multikey_fraction: float = 0.0
-    passkey_multikey_needles: int = 2
-    num_threads: int = 2
-    prefetch: int = 2
-
-    def __post_init__(self):
-        if self.source not in SOURCES:
-            raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
-        if self.passkey_loss not in PASSKEY_LOSSES:
-            raise ValueError(
-                f"data.passkey_loss must be one of {PASSKEY_LOSSES}, got {self.passkey_loss!r}"
-            )
-        fractions = (
-            "passkey_paper_filler_fraction",
-            "passkey_task_fraction",
-            "passkey_multikey_fraction",
-        )
-        for name in fractions:
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"data.{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("val_rows", "val_gap_tokens", "num_threads", "prefetch"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}")
-        if self.passkey_prefix_digits < 0:
-            raise ValueError("data.passkey_prefix_digits must be >= 0")
-        if self.passkey_lm_positions < 0:
-            raise ValueError(
-                f"data.passkey_lm_positions must be >= 0, got {self.passkey_lm_positions}"
-            )
-        if self.passkey_multikey_fraction > 0 and self.passkey_multikey_needles < 2:
-            raise ValueError(
-                f"data.passkey_multikey_needles must be >= 2, got {self.passkey_multikey_needles}"
-            )
 
 
 def empty_row(seq_len: int) -> Row:

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from bam_configs.training import OptimConfig
 from bam_jax.model import PriorParam, SSMaxParam
-from bam_train.config import OptimConfig
 
 RADAM_THRESHOLD = 5.0
 TORCH_CLIP_EPS = 1e-6

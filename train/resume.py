@@ -9,6 +9,7 @@ from typing import Any
 import jax
 from etils import epath
 
+from bam_configs.training import TrainConfig
 from bam_jax.io.checkpoints import (
     CheckpointReadError,
     checkpoint_dir,
@@ -17,7 +18,6 @@ from bam_jax.io.checkpoints import (
 )
 from bam_jax.io.files import is_url, run_path
 from bam_train.checkpoint import Checkpointer
-from bam_train.config import TrainConfig
 from bam_train.optim import make_optimizer
 from bam_train.setup import Setup
 from bam_train.state import TrainState

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from bam_train.config import MESH_AXES, MeshConfig
+from bam_configs.training import MESH_AXES, MeshConfig
 
 LogicalAxes = Sequence[str | None] | None
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from bam_configs.training import TrainConfig
 from bam_jax.model import LayerFactors
-from bam_train.config import TrainConfig
 from bam_train.state import ModelParts, TrainState
 
 Batch = dict[str, Any]

@@ -1,5 +1,7 @@
-"""Training configuration: frozen dataclasses checked on construction, plus the checks that
-need the runtime (device count, files on disk, tokenizer) in `validate_for_runtime`.
+"""Training configuration: frozen dataclasses (the optimizer, the mesh, the data and the run,
+around the library's `ModelConfig`) checked on construction, plus the checks that need the
+runtime (device count, files on disk, tokenizer) in `validate_for_runtime`. Building a config
+imports no data pipeline; the presets that build them are beside it (`bam_configs.presets`).
 
 Both run before anything is compiled, and every error names the field that is wrong.
 `to_config_dict` and `TrainConfig.from_dict` carry a config to and from the ml_collections
@@ -12,23 +14,30 @@ import dataclasses
 import glob
 import math
 import os
-import reprlib
-import types
 import typing
 from typing import Any
 
-import numpy as np
 from ml_collections import ConfigDict, config_dict
 
-from bam_jax.config import FLOAT32_MAX, ModelConfig
+from bam_jax.config import ModelConfig
 from bam_jax.io.documents import HF_PREFIX, check_dataset_reader, is_stdlib_source, stdlib_files
 from bam_jax.io.shards import local_shard_dir, read_meta
 from bam_jax.tokenizers import get_tokenizer
-from bam_train.data import DataConfig
+from bam_jax.validation import (
+    check_float32,
+    check_int,
+    check_positive_float32,
+    dataclass_from_dict,
+    describe_type,
+    is_int,
+    join_path,
+)
 
 MESH_AXES = ("data", "fsdp", "tensor")
 MAX_SEED = 2**31 - 1
 OPTIMIZER_NUMERICS = ("optax", "torch")
+SOURCES = ("passkey", "text", "shards")
+PASSKEY_LOSSES = ("answer", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +66,12 @@ class OptimConfig:
                 f"optim.numerics must be one of {OPTIMIZER_NUMERICS}, got {self.numerics!r}"
             )
         for name in ("lr", "prior_lr", "ssmax_lr", "eps"):
-            _check_positive_float32(f"optim.{name}", getattr(self, name))
+            check_positive_float32(f"optim.{name}", getattr(self, name))
         for name in ("weight_decay", "clip_norm"):
-            _check_float32(f"optim.{name}", getattr(self, name), minimum=0.0)
+            check_float32(f"optim.{name}", getattr(self, name), minimum=0.0)
         for name in ("b1", "b2", "final_lr_fraction"):
-            _check_float32(f"optim.{name}", getattr(self, name), minimum=0.0, maximum=1.0)
-        _check_int("optim.warmup_steps", self.warmup_steps, minimum=0)
+            check_float32(f"optim.{name}", getattr(self, name), minimum=0.0, maximum=1.0)
+        check_int("optim.warmup_steps", self.warmup_steps, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +84,7 @@ class MeshConfig:
 
     def __post_init__(self):
         for axis, size in zip(MESH_AXES, self.sizes, strict=True):
-            if not _is_int(size) or size == 0 or size < -1:
+            if not is_int(size) or size == 0 or size < -1:
                 raise ValueError(
                     f"mesh.{axis} must be a positive int or -1 (the remaining devices), "
                     f"got {size!r}"
@@ -103,6 +112,87 @@ class MeshConfig:
                 f"devices, but {n_devices} are available; set one axis to -1"
             )
         return sizes  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where rows come from.
+
+    source: "passkey" | "text" | "shards"; path: .txt/.jsonl file, directory or glob, a
+    directory saved by `datasets.Dataset.save_to_disk`, "hf:NAME[:SUBSET][@SPLIT]" for a
+    Hugging Face dataset streamed from the hub, or "python-stdlib" for the interpreter's
+    standard library sources less its held-out files (text), or a shard directory (shards);
+    tokenizer: "mistral", "byte", "passkey:BASE" (BASE cut down to the passkey strings'
+    tokens), a tokenizer.json file or a directory holding one, or a SentencePiece .model
+    (passkey, text); text_key: the .jsonl or dataset field; add_bos/add_eos: around each
+    text document; shuffle: row order (text, shards; False reads the stream in order);
+    val_rows: held-out rows at the start of the data (text, shards); val_gap_tokens: tokens
+    skipped after them, so training starts that many tokens after the held-out rows (text,
+    shards); boundary_targets: also train the target that crosses into the next document
+    (EOS -> BOS) instead of masking it (text, shards).
+    Passkey: prompts are at least passkey_min_length tokens (0 = the template minimum) and at
+    most the context; passkey_prefix_digits key digits are given before the five predicted;
+    passkey_paper_filler_fraction of the prompts use the paper's filler, the rest random
+    filler sentences; passkey_task_fraction of them open with the task sentence, the rest
+    start directly with filler or the needle (so needles also sit at a document's first
+    positions); passkey_loss "answer" trains the answer digits, "all" every token;
+    passkey_lm_positions (with "answer") adds that many random prompt positions per row,
+    trained on predicting their next token; passkey_multikey_fraction of the rows are
+    multi-key prompts instead (bam_jax.retrieval: passkey_multikey_needles needles with
+    different nouns and keys, one asked for).
+    num_threads/prefetch: grain read threads and prefetch buffer (0 threads = in the loop);
+    rows are read in order whatever the thread count, so runs stay deterministic.
+    """
+
+    source: str = "passkey"
+    path: str = ""
+    tokenizer: str = "mistral"
+    text_key: str = "text"
+    add_bos: bool = True
+    add_eos: bool = True
+    shuffle: bool = True
+    val_rows: int = 64
+    val_gap_tokens: int = 0
+    boundary_targets: bool = False
+    passkey_min_length: int = 0
+    passkey_prefix_digits: int = 1
+    passkey_paper_filler_fraction: float = 0.25
+    passkey_task_fraction: float = 1.0
+    passkey_lm_positions: int = 0
+    passkey_loss: str = "answer"
+    passkey_multikey_fraction: float = 0.0
+    passkey_multikey_needles: int = 2
+    num_threads: int = 2
+    prefetch: int = 2
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
+        if self.passkey_loss not in PASSKEY_LOSSES:
+            raise ValueError(
+                f"data.passkey_loss must be one of {PASSKEY_LOSSES}, got {self.passkey_loss!r}"
+            )
+        fractions = (
+            "passkey_paper_filler_fraction",
+            "passkey_task_fraction",
+            "passkey_multikey_fraction",
+        )
+        for name in fractions:
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"data.{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("val_rows", "val_gap_tokens", "num_threads", "prefetch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}")
+        if self.passkey_prefix_digits < 0:
+            raise ValueError("data.passkey_prefix_digits must be >= 0")
+        if self.passkey_lm_positions < 0:
+            raise ValueError(
+                f"data.passkey_lm_positions must be >= 0, got {self.passkey_lm_positions}"
+            )
+        if self.passkey_multikey_fraction > 0 and self.passkey_multikey_needles < 2:
+            raise ValueError(
+                f"data.passkey_multikey_needles must be >= 2, got {self.passkey_multikey_needles}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,16 +248,16 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every", "checkpoint_every", "keep_last"):
-            _check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("tokens_per_step", "eval_every", "eval_batches", "keep_every"):
-            _check_int(name, getattr(self, name), minimum=0)
-        _check_int("profile_steps", self.profile_steps, minimum=0)
-        _check_int("profile_start", self.profile_start, minimum=-1)
-        _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
+            check_int(name, getattr(self, name), minimum=0)
+        check_int("profile_steps", self.profile_steps, minimum=0)
+        check_int("profile_start", self.profile_start, minimum=-1)
+        check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         for name in ("async_checkpoint", "progress_bar"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        _check_float32("ssmax_jitter", self.ssmax_jitter, minimum=0.0, maximum=0.99)
+        check_float32("ssmax_jitter", self.ssmax_jitter, minimum=0.0, maximum=0.99)
         if self.ssmax_jitter and not self.model.ssmax:
             raise ValueError(
                 f"ssmax_jitter={self.ssmax_jitter} needs an SSMax encoding (*_ssmax), got "
@@ -192,7 +282,7 @@ class TrainConfig:
             )
 
     def _check_prior_dilation(self) -> None:
-        _check_float32("prior_dilation", self.prior_dilation, minimum=1.0, maximum=1e6)
+        check_float32("prior_dilation", self.prior_dilation, minimum=1.0, maximum=1e6)
         if self.prior_dilation == 1.0:
             return
         problem = self.model.dilation_problem()
@@ -224,7 +314,7 @@ class TrainConfig:
         """The config of a (nested) mapping such as a config.json or a ConfigDict's `to_dict()`;
         missing fields take their defaults; unknown keys, values of the wrong type and bad
         values raise a ValueError naming the key path."""
-        return _dataclass_from_dict(cls, d, path="")
+        return dataclass_from_dict(cls, d, path="")
 
 
 def to_config_dict(cfg: Any) -> ConfigDict:
@@ -264,7 +354,7 @@ def field_type(path: str) -> Any:
             )
         hints = typing.get_type_hints(kind)
         section = f" of {walked}" if walked else ""
-        walked = _join(walked, name)
+        walked = join_path(walked, name)
         if name not in hints:
             raise ValueError(
                 f"config: unknown field {walked!r}; valid fields{section}: "
@@ -272,118 +362,6 @@ def field_type(path: str) -> Any:
             )
         kind = hints[name]
     return kind
-
-
-def _dataclass_from_dict(kind: type, d: Any, path: str) -> Any:
-    if isinstance(d, kind):
-        return d
-    if not isinstance(d, dict):
-        raise ValueError(
-            f"config: {path or 'the config'} must be a mapping of field names to values, "
-            f"got {type(d).__name__} {reprlib.repr(d)}"
-        )
-    hints = typing.get_type_hints(kind)
-    unknown = sorted(set(d) - set(hints))
-    if unknown:
-        names = ", ".join(f"'{_join(path, name)}'" for name in unknown)
-        raise ValueError(
-            f"config: unknown field{'s' if len(unknown) > 1 else ''} {names}; valid fields"
-            f"{f' of {path}' if path else ''}: {', '.join(sorted(hints))}"
-        )
-    values = {
-        name: _field_from_dict(hints[name], value, _join(path, name)) for name, value in d.items()
-    }
-    try:
-        return kind(**values)
-    except ValueError as err:
-        raise ValueError(_name_section(path, str(err), hints)) from None
-
-
-def _field_from_dict(annotation: Any, value: Any, path: str) -> Any:
-    if dataclasses.is_dataclass(annotation):
-        return _dataclass_from_dict(annotation, value, path)
-    if not _has_type(value, annotation):
-        raise ValueError(
-            f"config: {path} must be {describe_type(annotation)}, got {reprlib.repr(value)}"
-        )
-    return value
-
-
-def _has_type(value: Any, annotation: Any) -> bool:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_has_type(value, arg) for arg in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return _is_int(value)
-    if annotation is float:
-        return _is_number(value)
-    if isinstance(annotation, type):
-        return isinstance(value, annotation)
-    return True
-
-
-def describe_type(annotation: Any) -> str:
-    """How an error message names the values a field accepts."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return " or ".join(describe_type(arg) for arg in typing.get_args(annotation))
-    names = {bool: "true or false", int: "an int", float: "a number", str: "a string"}
-    if annotation is type(None):
-        return "None"
-    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
-
-
-def _name_section(path: str, message: str, hints: dict[str, Any]) -> str:
-    """A section's own error message with the section named: "dim must ..." becomes
-    "model.dim must ..."."""
-    if not path or message.startswith((f"{path}.", f"{path}:")):
-        return message
-    first_word = message.split(" ", 1)[0]
-    return f"{path}.{message}" if first_word in hints else f"{path}: {message}"
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
-        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be an int {bounds}, got {value!r}")
-
-
-def _check_float32(name: str, value: Any, minimum: float, maximum: float | None = None) -> None:
-    """A number in [minimum, maximum] that float32 holds as a finite number."""
-    _check_finite_float32(name, value)
-    if value < minimum or (maximum is not None and value > maximum):
-        bounds = f">= {minimum:g}" if maximum is None else f"in [{minimum:g}, {maximum:g}]"
-        raise ValueError(f"{name} must be {bounds}, got {value!r}")
-
-
-def _check_positive_float32(name: str, value: Any) -> None:
-    """A number > 0 that float32 holds as a finite number, without rounding it to 0."""
-    _check_finite_float32(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    if np.float32(value) == 0:
-        raise ValueError(f"{name} must be > 0 in float32, got {value!r}, which rounds to 0")
-
-
-def _check_finite_float32(name: str, value: Any) -> None:
-    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if abs(value) > FLOAT32_MAX:
-        raise ValueError(f"{name} must fit in float32 (at most {FLOAT32_MAX:.8g}), got {value!r}")
 
 
 def validate_for_runtime(cfg: TrainConfig, n_devices: int, n_processes: int = 1) -> None:
