@@ -60,7 +60,12 @@ from bam_jax.kernels.cpu import CPU_BLOCK_K, CPU_BLOCK_Q, cpu_forward
 from bam_jax.kernels.gpu import gpu_defaults, gpu_forward
 from bam_jax.kernels.gpu_backward import fused_gpu_backward
 from bam_jax.kernels.tile_math import (
+    BETA,
+    COEF,
+    LIMIT,
+    MU,
     NUM_HEAD_PARAMS,
+    SSMAX_SCALE,
     AuxInputs,
     Backend,
     KernelConfig,
@@ -392,14 +397,14 @@ def _head_param_columns(
     """float32 [H, NUM_HEAD_PARAMS]: coef, beta, mu, SSMax scale, padding (differentiable)."""
     columns = [jnp.zeros((num_heads,), jnp.float32)] * NUM_HEAD_PARAMS
     if config.prior_kind == "ggd":
-        columns[0] = jnp.exp(prior.theta_alpha_H.astype(jnp.float32))
-        columns[1] = prior.theta_beta_H.astype(jnp.float32)
-        columns[2] = ggd_mu(prior.theta_mu_H.astype(jnp.float32))
-        columns[4] = ggd_limit(prior.theta_alpha_H)
+        columns[COEF] = jnp.exp(prior.theta_alpha_H.astype(jnp.float32))
+        columns[BETA] = prior.theta_beta_H.astype(jnp.float32)
+        columns[MU] = ggd_mu(prior.theta_mu_H.astype(jnp.float32))
+        columns[LIMIT] = ggd_limit(prior.theta_alpha_H)
     elif config.prior_kind == "alibi":
-        columns[0] = prior.slopes_H.astype(jnp.float32)
+        columns[COEF] = prior.slopes_H.astype(jnp.float32)
     if ssmax_scale_H is not None:
-        columns[3] = ssmax_scale_H.astype(jnp.float32)
+        columns[SSMAX_SCALE] = ssmax_scale_H.astype(jnp.float32)
     return jnp.stack(columns, axis=1)
 
 

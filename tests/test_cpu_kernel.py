@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import re
 import subprocess
 import sys
 import textwrap
@@ -340,3 +341,15 @@ def test_a_library_that_does_not_load_is_named(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(cpu, "_build", lambda: damaged)
     with pytest.raises(cpu.CpuKernelUnavailable, match=r"cpu_attention-damaged\.so"):
         cpu._register.__wrapped__()
+
+
+def test_the_native_source_reads_the_head_parameter_layout_of_tile_math() -> None:
+    from bam_jax.kernels import tile_math
+
+    source = (Path(cpu.__file__).parent / "cpu_attention.cc").read_text(encoding="utf-8")
+    constants = {
+        name: int(value) for name, value in re.findall(r"constexpr int (k\w+) = (\d+);", source)
+    }
+    assert constants["kHeadParams"] == tile_math.NUM_HEAD_PARAMS
+    assert constants["kSsmaxColumn"] == tile_math.SSMAX_SCALE
+    assert len(tile_math.HEAD_PARAM_COLUMNS) <= tile_math.NUM_HEAD_PARAMS

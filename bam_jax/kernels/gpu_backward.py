@@ -33,9 +33,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from bam_jax.kernels.gpu import _gpu_math
 from bam_jax.kernels.tile_math import (
+    BETA,
+    COEF,
     LN_2,
     LOG2_E,
+    MU,
     NUM_HEAD_PARAMS,
+    SSMAX_SCALE,
     AuxInputs,
     HeadScalars,
     KernelConfig,
@@ -45,11 +49,11 @@ from bam_jax.kernels.tile_math import (
     load_head,
     pad_to,
     row_coefficients,
+    tile_distance,
     tile_logits_log2,
 )
 from bam_jax.priors import GGD_EPS, GGD_MAX_LOG2_MAGNITUDE
 
-COEF, BETA, MU, SSMAX_SCALE = range(4)  # columns of the per-head parameters
 _NT = (((1,), (1,)), ((), ()))  # x @ y^T
 _NN = (((1,), (0,)), ((), ()))  # x @ y
 _TN = (((0,), (0,)), ((), ()))  # x^T @ y
@@ -355,7 +359,7 @@ def _ggd_sums(
     relative_start,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Row sums of the GGD parameter gradients' integrands, zero where saturated."""
-    distance = _distance(relative_start, unit_MxN.shape) - head.mu
+    distance = tile_distance(relative_start, unit_MxN.shape) - head.mu
     gap = jnp.abs(distance) + jnp.float32(GGD_EPS)
     log2_gap = math_ops.log2(gap)
     limit = jnp.float32(GGD_MAX_LOG2_MAGNITUDE) - jnp.log2(head.coef)
@@ -365,16 +369,6 @@ def _ggd_sums(
         jnp.sum(g_unit * log2_gap, axis=1, keepdims=True),
         jnp.sum(g_unit / gap * jnp.sign(distance), axis=1, keepdims=True),
     )
-
-
-def _distance(relative_start, shape: tuple[int, int]) -> jax.Array:
-    """float32 k_pos - q_pos over a tile, as tile_math's."""
-    distance = (
-        relative_start
-        + lax.broadcasted_iota(jnp.int32, shape, 1)
-        - lax.broadcasted_iota(jnp.int32, shape, 0)
-    )
-    return distance.astype(jnp.float32)
 
 
 def _param_sums(
@@ -392,7 +386,7 @@ def _param_sums(
     if config.prior_kind == "ggd":
         return _ParamSums(*_ggd_sums(math_ops, head, tile.ggd_unit_MxN, d_bias, relative_start))
     if config.prior_kind == "alibi":
-        abs_distance = jnp.abs(_distance(relative_start, tile.ds_MxN.shape))
+        abs_distance = jnp.abs(tile_distance(relative_start, tile.ds_MxN.shape))
         return _ParamSums(jnp.sum(d_bias * abs_distance, axis=1, keepdims=True), zeros, zeros)
     return _ParamSums(zeros, zeros, zeros)
 
@@ -408,7 +402,7 @@ def _factor_input(
         return scores
     if config.prior_kind == "ggd":
         return scores - head.coef * tile.ggd_unit_MxN
-    return scores - head.coef * jnp.abs(_distance(relative_start, scores.shape))
+    return scores - head.coef * jnp.abs(tile_distance(relative_start, scores.shape))
 
 
 def _factor_sums(tile: _Tile, x_MxN) -> _FactorSums:

@@ -23,7 +23,6 @@ from bam_jax.priors import GGD_EPS, GGD_MAX_LOG2_MAGNITUDE
 Backend = Literal["gpu", "tpu", "cpu"]
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-NUM_HEAD_PARAMS = 8  # coef, beta, mu, ssmax scale, GGD saturation limit, padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +103,21 @@ def exact_math() -> MathOps:
 
 
 class HeadScalars(NamedTuple):
+    """One head's row of the per-head parameter table, in column order."""
+
     coef: jax.Array  # exp(theta_alpha) or the ALiBi slope
     beta: jax.Array
     mu: jax.Array
     ssmax_scale: jax.Array
     limit: jax.Array  # GGD_MAX_LOG2_MAGNITUDE - log2(coef): where the GGD saturates
+
+
+# The per-head parameter table [H, NUM_HEAD_PARAMS] that every kernel reads: the columns of
+# HeadScalars, padded to 8. bam_jax/kernels/cpu_attention.cc repeats NUM_HEAD_PARAMS and
+# SSMAX_SCALE as kHeadParams and kSsmaxColumn (tests/test_cpu_kernel.py compares them).
+HEAD_PARAM_COLUMNS = HeadScalars._fields
+COEF, BETA, MU, SSMAX_SCALE, LIMIT = range(len(HEAD_PARAM_COLUMNS))
+NUM_HEAD_PARAMS = 8
 
 
 class RowCoefficients(NamedTuple):
@@ -133,7 +142,7 @@ def row_coefficients(
     return RowCoefficients(content=content, prior=prior)
 
 
-def _distance(relative_start: jax.Array, shape: tuple[int, int]) -> jax.Array:
+def tile_distance(relative_start: jax.Array, shape: tuple[int, int]) -> jax.Array:
     """k_pos - q_pos as float32 [M, N] over a tile whose first key sits relative_start
     after its first query: one int-to-float conversion per row and per column, one add per
     element (exact below 2 ** 24)."""
@@ -154,7 +163,7 @@ def ggd_unit(
 ) -> jax.Array:
     """(|d - mu| + eps) ** beta for d = relative_start + col - row, float32 [M, N], saturating
     where coef times it reaches 2 ** GGD_MAX_LOG2_MAGNITUDE, as `bam_jax.priors.ggd_bias`."""
-    gap = jnp.abs(_distance(relative_start, shape) - head.mu) + jnp.float32(GGD_EPS)
+    gap = jnp.abs(tile_distance(relative_start, shape) - head.mu) + jnp.float32(GGD_EPS)
     return math_ops.exp2(jnp.minimum(head.beta * math_ops.log2(gap), head.limit))
 
 
@@ -191,7 +200,7 @@ def tile_logits_log2(
         if config.prior_kind == "ggd":
             prior_tile_MxN = ggd_unit(math_ops, head, k_start - q_start, shape)
         elif config.prior_kind == "alibi":
-            prior_tile_MxN = jnp.abs(_distance(k_start - q_start, shape))
+            prior_tile_MxN = jnp.abs(tile_distance(k_start - q_start, shape))
     if prior_tile_MxN is not None:
         logits = logits - prior_tile_MxN * rows.prior
     if not masked:
@@ -246,4 +255,4 @@ def finalize(carry: SoftmaxState) -> tuple[jax.Array, jax.Array]:
 
 
 def load_head(load: Callable[[int], jax.Array]) -> HeadScalars:
-    return HeadScalars(coef=load(0), beta=load(1), mu=load(2), ssmax_scale=load(3), limit=load(4))
+    return HeadScalars(*(load(column) for column in range(len(HEAD_PARAM_COLUMNS))))
