@@ -153,9 +153,10 @@ class AttentionPrior(nnx.Module):
 class Attention(nnx.Module):
     """Multi-head (or grouped-query) attention with the configured positional encoding.
 
-    Standalone use: `attention(x_BxTxE, segment_ids_BxT=None)`. For a BAM model with a
-    global prior the prior is passed in by the Transformer (`prior=`). `layer` is the
-    block's index, which decides its window (`ModelConfig.layer_windows`).
+    Standalone use: `attention(x_BxTxE, segment_ids_BxT=None)`. The Transformer passes each
+    layer its finished inputs (`layer_inputs`: the prior, global or the layer's own, and the
+    SSMax scale, both as training varies them). `layer` is the block's index, which decides
+    its window (`ModelConfig.layer_windows`).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
@@ -177,19 +178,16 @@ class Attention(nnx.Module):
         )
         self.prior = AttentionPrior(config, rngs=rngs) if config.per_layer_prior else None
 
-    def __call__(
+    def layer_inputs(
         self,
-        x_BxTxE: jax.Array,
-        segment_ids_BxT: jax.Array | None = None,
+        shared_prior: Prior | None = None,
         *,
-        prior: Prior | None = None,
-        kv: KV | None = None,
-        cache_length: jax.Array | None = None,
         ssmax_max_count: int | jax.Array | None = None,
         ssmax_scale_factor: float | jax.Array | None = None,
         prior_dilation: float | jax.Array | None = None,
-    ) -> jax.Array | tuple[jax.Array, KV]:
-        """Output [B, T, E]; with `kv` (the layer's cache buffers) also the updated buffers.
+    ) -> LayerInputs:
+        """This layer's finished inputs: its prior (its own, ALiBi's, or `shared_prior`, the
+        global prior of a BAM model with `global_prior`), its SSMax scale and count cap.
 
         `ssmax_max_count` caps SSMax's key count (`dot_product_attention`);
         `ssmax_scale_factor` multiplies the learned SSMax scale (training's SSMax jitter);
@@ -197,7 +195,28 @@ class Attention(nnx.Module):
         many times longer: the BAM prior evaluated there (`GGDPrior.dilated`), ALiBi's slopes
         times it (`AlibiPrior.dilated`), RoPE's rotation at that many times every position.
         Sinusoidal embeddings are added before the layers (`LayerFactors`)."""
+        return LayerInputs(
+            prior=self._prior(shared_prior, prior_dilation),
+            ssmax_scale_H=self._ssmax_scale(ssmax_scale_factor),
+            ssmax_max_count=ssmax_max_count,
+            position_scale=prior_dilation if self.config.positional.rotary else None,
+        )
+
+    def __call__(
+        self,
+        x_BxTxE: jax.Array,
+        segment_ids_BxT: jax.Array | None = None,
+        *,
+        inputs: LayerInputs | None = None,
+        kv: KV | None = None,
+        cache_length: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, KV]:
+        """Output [B, T, E]; with `kv` (the layer's cache buffers) also the updated buffers.
+
+        `inputs` are the layer's finished prior, SSMax scale and cap (`layer_inputs`; None:
+        `self.layer_inputs()`, the layer's own)."""
         cfg = self.config
+        inputs = self.layer_inputs() if inputs is None else inputs
         batch, length, _ = x_BxTxE.shape
         q_BxTxHxD = self.wq(x_BxTxE).reshape(batch, length, cfg.n_heads, cfg.head_dim)
         k_BxTxKxD = self.wk(x_BxTxE).reshape(batch, length, cfg.kv_heads, cfg.head_dim)
@@ -205,8 +224,8 @@ class Attention(nnx.Module):
         offset = jnp.int32(0) if cache_length is None else cache_length
         if cfg.positional.rotary:
             positions_T = offset + jnp.arange(length, dtype=jnp.int32)
-            if prior_dilation is not None:
-                positions_T = positions_T.astype(jnp.float32) * prior_dilation
+            if inputs.position_scale is not None:
+                positions_T = positions_T.astype(jnp.float32) * inputs.position_scale
             q_BxTxHxD = apply_rope(q_BxTxHxD, positions_T, theta=cfg.rope_theta)
             k_BxTxKxD = apply_rope(k_BxTxKxD, positions_T, theta=cfg.rope_theta)
         if kv is not None:
@@ -219,8 +238,8 @@ class Attention(nnx.Module):
             q_BxTxHxD,
             keys.astype(q_BxTxHxD.dtype),
             values.astype(q_BxTxHxD.dtype),
-            prior=self._prior(prior, prior_dilation),
-            ssmax_scale_H=self._ssmax_scale(ssmax_scale_factor),
+            prior=inputs.prior,
+            ssmax_scale_H=inputs.ssmax_scale_H,
             # The SSMax baselines scale only the content term; ALiBi's bias comes after.
             ssmax_prior_inside=cfg.ssmax_prior_inside and cfg.positional.learned_prior,
             query_segment_ids_BxT=segment_ids_BxT,
@@ -228,7 +247,7 @@ class Attention(nnx.Module):
             query_offset=offset,
             causal=True,
             window=self.window,
-            ssmax_max_count=ssmax_max_count,
+            ssmax_max_count=inputs.ssmax_max_count,
             implementation=cfg.attention_impl,
             block_q=cfg.block_q,
             block_k=cfg.block_k,
@@ -251,7 +270,11 @@ class Attention(nnx.Module):
         if self.prior is not None:
             prior = self.prior()
         if prior is None:
-            raise ValueError("a BAM model with a global prior needs the prior passed as prior=")
+            raise ValueError(
+                "Attention of a BAM config with global_prior=True has no prior of its own: "
+                "pass inputs=attention.layer_inputs(prior), with the GGDPrior its layers "
+                "share, or build it from config.replace(global_prior=False)"
+            )
         return prior if dilation is None else prior.dilated(dilation)
 
 
@@ -269,6 +292,20 @@ class LayerFactors:
 
     ssmax_scale_L: jax.Array | None = None
     prior_dilation_L: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class LayerInputs:
+    """One attention layer's finished inputs, which the Transformer builds before its layer
+    loop (`Attention.layer_inputs`; every leaf has a leading [n_layers] axis when the
+    layers are scanned): the prior it adds (its own or the global one, dilated in
+    training), its SSMax scale (jittered in training), the cap on SSMax's key count, and
+    the factor RoPE multiplies the positions by (training's dilation)."""
+
+    prior: Prior | None = None
+    ssmax_scale_H: jax.Array | None = None
+    ssmax_max_count: int | jax.Array | None = None
+    position_scale: float | jax.Array | None = None
 
 
 class FeedForward(nnx.Module):
@@ -297,22 +334,19 @@ class TransformerBlock(nnx.Module):
     def __call__(
         self,
         x_BxTxE: jax.Array,
-        segment_ids_BxT: jax.Array | None,
-        prior: Prior | None,
-        kv: KV | None,
-        cache_length: jax.Array | None,
-        ssmax_max_count: int | jax.Array | None = None,
-        factors: LayerFactors | None = None,
+        segment_ids_BxT: jax.Array | None = None,
+        kv: KV | None = None,
+        cache_length: jax.Array | None = None,
+        inputs: LayerInputs | None = None,
     ) -> tuple[jax.Array, KV | None]:
+        """(x + attention + feed-forward [B, T, E], the updated cache buffers or None);
+        `inputs` as `Attention.__call__` takes them."""
         attended = self.attention(
             self.attention_norm(x_BxTxE),
             segment_ids_BxT=segment_ids_BxT,
-            prior=prior,
+            inputs=inputs,
             kv=kv,
             cache_length=cache_length,
-            ssmax_max_count=ssmax_max_count,
-            ssmax_scale_factor=None if factors is None else factors.ssmax_scale_L,
-            prior_dilation=None if factors is None else factors.prior_dilation_L,
         )
         if kv is not None:
             attended, kv = attended
@@ -324,13 +358,25 @@ def _apply_block(
     block: TransformerBlock,
     x_BxTxE: jax.Array,
     segment_ids_BxT: jax.Array | None,
-    prior: Prior | None,
     kv: KV | None,
     cache_length: jax.Array | None,
-    ssmax_max_count: int | jax.Array | None,
-    factors: LayerFactors | None,
+    inputs: LayerInputs,
 ) -> tuple[jax.Array, KV | None]:
-    return block(x_BxTxE, segment_ids_BxT, prior, kv, cache_length, ssmax_max_count, factors)
+    return block(x_BxTxE, segment_ids_BxT, kv, cache_length, inputs)
+
+
+def _finished_inputs(
+    block: TransformerBlock,
+    shared_prior: Prior | None,
+    factors: LayerFactors | None,
+    ssmax_max_count: int | jax.Array | None,
+) -> LayerInputs:
+    return block.attention.layer_inputs(
+        shared_prior,
+        ssmax_max_count=ssmax_max_count,
+        ssmax_scale_factor=None if factors is None else factors.ssmax_scale_L,
+        prior_dilation=None if factors is None else factors.prior_dilation_L,
+    )
 
 
 def _layer_slice(factors: LayerFactors | None, layer: int) -> LayerFactors | None:
@@ -465,9 +511,8 @@ class Transformer(nnx.Module):
                 positions_T, cfg.dim, theta=cfg.sinusoidal_theta
             )
         prior = None if self.prior is None else self.prior()
-
         layers = self._scan_layers if cfg.scan_layers else self._unrolled_layers
-        h_BxTxE, kv = layers(h_BxTxE, segment_ids_BxT, prior, cache, layer_factors)
+        h_BxTxE, kv = layers(h_BxTxE, segment_ids_BxT, cache, prior, layer_factors)
         h_BxTxE = self.norm(h_BxTxE)
         if cache is None:
             return h_BxTxE
@@ -494,17 +539,15 @@ class Transformer(nnx.Module):
                     f"got {jnp.shape(factors_L)}"
                 )
 
-    def _unrolled_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, layer_factors):
+    def _unrolled_layers(self, h_BxTxE, segment_ids_BxT, cache, prior, layer_factors):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         keys, values = [], []
         max_counts = self.config.ssmax_max_counts()
         for i, block in enumerate(self.layers):
+            inputs = _finished_inputs(block, prior, _layer_slice(layer_factors, i), max_counts[i])
             kv = None if cache is None else (cache.keys[i], cache.values[i])
-            factors = _layer_slice(layer_factors, i)
-            h_BxTxE, kv = apply(
-                block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts[i], factors
-            )
+            h_BxTxE, kv = apply(block, h_BxTxE, segment_ids_BxT, kv, offset, inputs)
             if kv is not None:
                 keys.append(kv[0])
                 values.append(kv[1])
@@ -512,20 +555,19 @@ class Transformer(nnx.Module):
             return h_BxTxE, None
         return h_BxTxE, (tuple(keys), tuple(values))
 
-    def _scan_layers(self, h_BxTxE, segment_ids_BxT, prior, cache, layer_factors):
+    def _scan_layers(self, h_BxTxE, segment_ids_BxT, cache, prior, layer_factors):
         apply = self._block_fn()
         offset = None if cache is None else cache.length
         # The scan reads and writes stacked [L, ...] buffers: a copy of the cache per call.
         kv = None if cache is None else (jnp.stack(cache.keys), jnp.stack(cache.values))
-        max_counts_L = self._stacked_ssmax_max_counts()
+        finish = nnx.vmap(_finished_inputs, in_axes=(0, None, 0, 0), out_axes=0)
+        inputs_L = finish(self.layers, prior, layer_factors, self._stacked_ssmax_max_counts())
 
-        @nnx.scan(in_axes=(0, nnx.Carry, None, None, 0, None, 0, 0), out_axes=(nnx.Carry, 0))
-        def run(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count, factors):
-            return apply(block, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_count, factors)
+        @nnx.scan(in_axes=(0, nnx.Carry, None, 0, None, 0), out_axes=(nnx.Carry, 0))
+        def run(block, h_BxTxE, segment_ids_BxT, kv, offset, inputs):
+            return apply(block, h_BxTxE, segment_ids_BxT, kv, offset, inputs)
 
-        h_BxTxE, kv = run(
-            self.layers, h_BxTxE, segment_ids_BxT, prior, kv, offset, max_counts_L, layer_factors
-        )
+        h_BxTxE, kv = run(self.layers, h_BxTxE, segment_ids_BxT, kv, offset, inputs_L)
         if kv is None:
             return h_BxTxE, None
         return h_BxTxE, (tuple(kv[0]), tuple(kv[1]))

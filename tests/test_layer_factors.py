@@ -233,7 +233,7 @@ def attention_under_dilation(config: ModelConfig, dilation: float) -> tuple[jax.
     """(the layer's output with `prior_dilation`, its q, k, v projections of the same input)."""
     attention = Attention(config, rngs=nnx.Rngs(0))
     x_BxTxE = jax.random.normal(jax.random.key(2), (2, 40, config.dim), jnp.float32)
-    out_BxTxE = attention(x_BxTxE, prior_dilation=dilation)
+    out_BxTxE = attention(x_BxTxE, inputs=attention.layer_inputs(prior_dilation=dilation))
     heads = (2, 40, config.n_heads, config.head_dim)
     qkv = (attention.wq(x_BxTxE), attention.wk(x_BxTxE), attention.wv(x_BxTxE))
     return out_BxTxE, attention, *(y.reshape(heads) for y in qkv)
@@ -293,7 +293,7 @@ def test_dilated_sinusoidal_positions_reach_the_first_layer():
     )
     h_BxTxE = embedded
     for block in model.layers:
-        h_BxTxE, _ = block(h_BxTxE, None, None, None, None)
+        h_BxTxE, _ = block(h_BxTxE)
     np.testing.assert_allclose(dilated, model.norm(h_BxTxE), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="cannot dilate the global layers apart"):
         Transformer(config.replace(local_layers=1), rngs=nnx.Rngs(0)).hidden_states(

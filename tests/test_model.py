@@ -383,10 +383,10 @@ def test_standalone_attention_needs_the_global_prior():
     config = micro("bam")
     attention = Attention(config, rngs=nnx.Rngs(0))
     x = jnp.ones((1, 3, config.dim))
-    with pytest.raises(ValueError, match="prior"):
+    with pytest.raises(ValueError, match=r"pass inputs=attention.layer_inputs\(prior\)"):
         attention(x)
     prior = Transformer(config).prior()
-    chex.assert_shape(attention(x, prior=prior), (1, 3, config.dim))
+    chex.assert_shape(attention(x, inputs=attention.layer_inputs(prior)), (1, 3, config.dim))
 
 
 def test_split_merge_and_tree_mode():
