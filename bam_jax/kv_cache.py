@@ -6,7 +6,10 @@ from __future__ import annotations
 import flax.struct
 import jax
 
+from bam_jax.pytrees import export_serializable
 
+
+@export_serializable
 @flax.struct.dataclass
 class KVCache:
     """Per-layer keys and values (tuples of L arrays [B, S, K, D]) and the filled length."""

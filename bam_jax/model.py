@@ -32,6 +32,7 @@ from bam_jax.kv_cache import KVCache
 from bam_jax.losses import output_cross_entropy
 from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
 from bam_jax.priors import GGDPrior, Prior, init_ggd_prior
+from bam_jax.pytrees import export_serializable
 
 Axes = tuple[str | None, ...]
 KV = tuple[jax.Array, jax.Array]
@@ -278,6 +279,7 @@ class Attention(nnx.Module):
         return prior if dilation is None else prior.dilated(dilation)
 
 
+@export_serializable
 @flax.struct.dataclass
 class LayerFactors:
     """Per-layer factors that training draws to vary the attention it learns under (each
@@ -294,6 +296,7 @@ class LayerFactors:
     prior_dilation_L: jax.Array | None = None
 
 
+@export_serializable
 @flax.struct.dataclass
 class LayerInputs:
     """One attention layer's finished inputs, which the Transformer builds before its layer

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bam_jax.pytrees import export_serializable
+
 GGD_EPS = 1e-5
 # |bias| saturates at 2 ** GGD_MAX_LOG2_MAGNITUDE. Past it float32 would reach inf (at d = mu
 # once theta_beta < -6), and inf * log(1) or inf - inf is NaN on a document's first token and
@@ -40,6 +42,7 @@ class Prior(Protocol):
         ...
 
 
+@export_serializable
 @flax.struct.dataclass
 class GGDPrior:
     """Generalized Gaussian prior, with a = theta_alpha, b = theta_beta, mu_h =
@@ -86,6 +89,7 @@ class GGDPrior:
         )
 
 
+@export_serializable
 @flax.struct.dataclass
 class AlibiPrior:
     """ALiBi: bias_h(d) = -slope_h * |d|."""
