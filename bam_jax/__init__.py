@@ -36,6 +36,7 @@ from bam_jax.model import (
     count_params,
     reconfigure,
 )
+from bam_jax.param_groups import optimizer_labels
 from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
 from bam_jax.priors import (
     PRIOR_PRESETS,
@@ -83,6 +84,7 @@ __all__ = [
     "init_cache",
     "init_ggd_prior",
     "load_reference_checkpoint",
+    "optimizer_labels",
     "prefill",
     "reconfigure",
     "reference_attention",

@@ -3,7 +3,9 @@
 `bridge.to_linen(Attention, config)` (or `Transformer`) is an ordinary Linen submodule.
 Its variables land in Linen collections by type: weights in "params", trainable prior
 parameters in "prior_params", SSMax scales in "ssmax_params", frozen prior parameters in
-"prior_constants" (so an optimizer can treat each group on its own).
+"prior_constants". Optimise `trainable(variables)`, not `variables["params"]` alone, or the
+prior and the SSMax scales never move; `linen_labels` gives each leaf its optimizer group
+(`bam_jax.param_groups`), so the prior can learn at its own rate without weight decay.
 
 Weights move both ways: `load_linen_variables` copies a Linen variables dict into an NNX
 module, `linen_variables` gives an NNX module's variables as the Linen module expects them.
@@ -15,13 +17,22 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 from flax import nnx, traverse_util
 from flax.nnx import bridge, variablelib
 
 from bam_jax.config import ModelConfig
-from bam_jax.model import Attention, Transformer
+from bam_jax.model import Attention, PriorParam, SSMaxParam, Transformer
+from bam_jax.param_groups import parameter_group
 
 COLLECTIONS = ("params", "prior_params", "ssmax_params", "prior_constants")
+# The collections an optimizer trains, with the variable type each holds.
+TRAINABLE_COLLECTIONS = {
+    "params": nnx.Param,
+    "prior_params": PriorParam,
+    "ssmax_params": SSMaxParam,
+}
 
 
 def linen_attention(config: ModelConfig, *, name: str | None = None) -> nn.Module:
@@ -66,3 +77,21 @@ def linen_variables(module: nnx.Module) -> dict[str, dict[str, Any]]:
         for path, variable in nnx.to_flat_state(nnx.state(module))
     }
     return traverse_util.unflatten_dict(flat)
+
+
+def trainable(variables: Mapping[str, Any]) -> dict[str, Any]:
+    """The collections an optimizer trains: weights, prior parameters and SSMax scales (the
+    frozen "prior_constants" and any collection of the user's own stay out)."""
+    return {name: variables[name] for name in TRAINABLE_COLLECTIONS if name in variables}
+
+
+def linen_labels(params: Mapping[str, Any]) -> dict[str, Any]:
+    """`param_labels` for `optax.multi_transform` over `trainable(variables)`: "prior" and
+    "ssmax" by collection, and "decay" or "no_decay" for the weights by their dims."""
+    return {
+        name: jax.tree.map(
+            lambda leaf, kind=TRAINABLE_COLLECTIONS[name]: parameter_group(kind, jnp.ndim(leaf)),
+            tree,
+        )
+        for name, tree in params.items()
+    }

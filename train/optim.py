@@ -15,22 +15,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from bam_configs.training import OptimConfig
-from bam_jax.model import PriorParam, SSMaxParam
 
 RADAM_THRESHOLD = 5.0
 TORCH_CLIP_EPS = 1e-6
-
-
-def variable_group(variable: nnx.Variable) -> str:
-    """Optimizer group of one parameter."""
-    if isinstance(variable, PriorParam):
-        return "prior"
-    if isinstance(variable, SSMaxParam):
-        return "ssmax"
-    return "decay" if jnp.ndim(variable.get_value()) >= 2 else "no_decay"
 
 
 def schedule(peak: float, cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from bam_jax.config import ModelConfig
 from bam_jax.io.checkpoints import key_path_names
 from bam_jax.model import Transformer
-from bam_train.optim import variable_group
+from bam_jax.param_groups import variable_group
 from bam_train.sharding import named_sharding, replicated
 
 PyTree = Any
