@@ -273,11 +273,22 @@ def prefill(
 def decode_step(
     model: Transformer, tokens_Bx1: jax.Array, cache: KVCache
 ) -> tuple[jax.Array, KVCache]:
-    """Appends one token per row; returns its next-token logits [B, V] and the new cache
-    (the cache passed in is donated)."""
+    """Appends one token per row; returns its next-token logits [B, V] (float32) and the
+    new cache. Jit-able (`nnx.jit(decode_step)`, or inside a user's own jitted loop); the
+    cache's room is checked only where its length is known, outside a trace. Any model
+    whose `model(tokens_BxC, cache=cache)` returns (logits [B, C, V], the advanced cache)
+    can be passed."""
     if np.ndim(tokens_Bx1) != 2 or np.shape(tokens_Bx1)[1] != 1:
         raise ValueError(f"tokens_Bx1 must be [batch, 1], got {np.shape(tokens_Bx1)}")
-    return _last_position_logits(model, tokens_Bx1, cache, chunk_size=1)
+    if not isinstance(cache.length, jax.core.Tracer):
+        _check_room(cache, 1)
+    return _decode(model, jnp.asarray(tokens_Bx1, jnp.int32), cache)
+
+
+@nnx.jit
+def _decode(model: Transformer, tokens_Bx1: jax.Array, cache: KVCache) -> tuple[jax.Array, Any]:
+    logits_Bx1xV, cache = model(tokens_Bx1, cache=cache)
+    return logits_Bx1xV[:, 0].astype(jnp.float32), cache
 
 
 def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float) -> jax.Array:

@@ -142,3 +142,15 @@ def test_cache_shapes_dtypes_and_errors():
         generate(model, tokens, max_new_tokens=2, temperature=0.5)
     with pytest.raises(ValueError, match="batch"):
         prefill(model, tokens, init_cache(config, 1, 16), chunk_size=4)
+
+
+def test_decode_step_runs_under_nnx_jit_as_outside_it():
+    model = Transformer(ModelConfig.of_size("nano", encoding="bam_ssmax"), rngs=nnx.Rngs(0))
+    tokens = tokens_for(model)
+    cache = init_cache(model.config, 2, CAPACITY)
+    _, cache = prefill(model, tokens[:, :PROMPT_LEN], cache, chunk_size=4)
+    eager_logits, eager_cache = decode_step(model, tokens[:, PROMPT_LEN : PROMPT_LEN + 1], cache)
+    jitted = nnx.jit(decode_step)
+    logits, jit_cache = jitted(model, tokens[:, PROMPT_LEN : PROMPT_LEN + 1], cache)
+    np.testing.assert_array_equal(logits, eager_logits)
+    assert int(jit_cache.length) == int(eager_cache.length) == PROMPT_LEN + 1
