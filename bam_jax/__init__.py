@@ -35,6 +35,7 @@ from bam_jax.model import (
     TransformerBlock,
     count_params,
     reconfigure,
+    stacked_blocks,
 )
 from bam_jax.param_groups import optimizer_labels
 from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
@@ -89,4 +90,5 @@ __all__ = [
     "reconfigure",
     "reference_attention",
     "sinusoidal_embedding",
+    "stacked_blocks",
 ]

@@ -387,8 +387,12 @@ def _layer_slice(factors: LayerFactors | None, layer: int) -> LayerFactors | Non
     return None if factors is None else jax.tree.map(lambda x_L: x_L[layer], factors)
 
 
-def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> TransformerBlock:
-    """n_layers blocks whose variables carry a leading "layers" axis (for scan_layers)."""
+def stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> TransformerBlock:
+    """n_layers blocks whose variables carry a leading "layers" axis, in their values and
+    in their logical sharding (`scan_layers`; for a stack of a user's own, scanned with
+    `nnx.scan(in_axes=(0, nnx.Carry, ...))`). Stacking blocks with a bare `nnx.vmap`
+    instead leaves the sharding names one axis short: pass it
+    `transform_metadata={nnx.PARTITION_NAME: "layers"}` as here."""
 
     @nnx.split_rngs(splits=config.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -431,7 +435,7 @@ class Transformer(nnx.Module):
             rngs=rngs,
         )
         if config.scan_layers:
-            self.layers = _stacked_blocks(config, rngs)
+            self.layers = stacked_blocks(config, rngs)
         else:
             self.layers = nnx.List(
                 [TransformerBlock(config, rngs=rngs, layer=i) for i in range(config.n_layers)]

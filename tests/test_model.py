@@ -12,6 +12,7 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
+import bam_jax
 from bam_jax.config import ENCODINGS, ModelConfig
 from bam_jax.model import (
     Attention,
@@ -476,3 +477,17 @@ def test_sinusoidal_uses_odd_index_in_cosine_frequency():
     np.testing.assert_allclose(table[3, 2], np.sin(p * 10000 ** (-2 / 8)), rtol=1e-5)
     np.testing.assert_allclose(table[3, 3], np.cos(p * 10000 ** (-3 / 8)), rtol=1e-5)
     np.testing.assert_allclose(table[0], np.tile([0.0, 1.0], 4))
+
+
+def test_stacked_blocks_scan_with_the_layers_axis_in_their_sharding():
+    config = micro("bam_ssmax", n_layers=3, global_prior=False)
+    blocks = bam_jax.stacked_blocks(config, nnx.Rngs(0))
+    kernel = blocks.attention.wq.kernel
+    assert kernel.shape[0] == 3
+    assert kernel.get_metadata()["out_sharding"][0] == "layers"
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def run(block, h_BxTxE):
+        return block(h_BxTxE)[0]
+
+    chex.assert_shape(run(blocks, jnp.ones((1, 5, config.dim))), (1, 5, config.dim))
