@@ -58,19 +58,24 @@ def measure(
     the planned memory with `compile_only`)."""
     import numpy as np
     from accelerator_check import causal_forward_flops
+    from flax import nnx
 
     from bam_eval.memory import cache_bytes_per_slot
-    from bam_eval.models import for_inference, random_model
+    from bam_eval.models import for_inference
     from bam_eval.passkey import PasskeySettings, samples_for_length, score_samples
     from bam_jax.config import ModelConfig
     from bam_jax.inference import ChunkedForward
+    from bam_jax.model import Transformer
     from bam_jax.tokenizers import get_tokenizer
     from bench.matmul_rate import matmul_gflops
 
     spec = dict(MODELS[model_name])
     config = ModelConfig.of_size(spec.pop("preset"), encoding="bam_ssmax", **spec)
     model = for_inference(
-        random_model(config), attention_impl=attention, block_q=blocks[0], block_k=blocks[1]
+        Transformer(config, rngs=nnx.Rngs(0)),
+        attention_impl=attention,
+        block_q=blocks[0],
+        block_k=blocks[1],
     )
     scorer = ChunkedForward(model, chunk_size=chunk)
     tokenizer = get_tokenizer("mistral")

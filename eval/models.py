@@ -240,8 +240,3 @@ def for_inference(
     if model.config.replace(**changes) == model.config:
         return model
     return reconfigure(model, **changes)
-
-
-def random_model(config: ModelConfig, seed: int = 0) -> Transformer:
-    """A randomly initialised model (benchmarks, tests)."""
-    return Transformer(config, rngs=nnx.Rngs(seed))

@@ -7,9 +7,10 @@ import pytest
 from flax import nnx
 
 from bam_eval.memory import cache_bytes_per_slot
-from bam_eval.models import BLOCKWISE_INFERENCE_BLOCKS, for_inference, random_model
+from bam_eval.models import BLOCKWISE_INFERENCE_BLOCKS, for_inference
 from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward
+from bam_jax.model import Transformer
 
 
 def _model(encoding: str, scan_layers: bool = False):
@@ -20,7 +21,7 @@ def _model(encoding: str, scan_layers: bool = False):
         prior_beta_init="linear",
         scan_layers=scan_layers,
     )
-    return random_model(config, seed=1)
+    return Transformer(config, rngs=nnx.Rngs(1))
 
 
 @nnx.jit
@@ -56,7 +57,7 @@ def test_chunked_loss_matches_full_forward() -> None:
 
 def test_inference_tiles_are_the_implementation_s_not_the_training_ones() -> None:
     config = ModelConfig.of_size("toy", encoding="bam_ssmax", block_q=64, block_k=64)
-    model = random_model(config)
+    model = Transformer(config, rngs=nnx.Rngs(0))
     blockwise = for_inference(model, attention_impl="blockwise").config
     assert (blockwise.block_q, blockwise.block_k) == BLOCKWISE_INFERENCE_BLOCKS
     # The fused kernel keeps its backend's tiles: blockwise's 1024-key blocks exceed Triton's.
@@ -70,7 +71,7 @@ def test_inference_tiles_are_the_implementation_s_not_the_training_ones() -> Non
 
 def test_memory_at_16k_is_linear_not_quadratic() -> None:
     config = ModelConfig.of_size("toy", encoding="bam_ssmax")
-    scorer = ChunkedForward(for_inference(random_model(config)), chunk_size=512)
+    scorer = ChunkedForward(for_inference(Transformer(config, rngs=nnx.Rngs(0))), chunk_size=512)
     one_chunk = scorer.compiled_temp_bytes(1, 512)
     at_16k = scorer.compiled_temp_bytes(1, 16_384)
     cache_16k = cache_bytes_per_slot(config) * 16_384

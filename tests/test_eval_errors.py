@@ -12,14 +12,15 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from bam_eval.cli import build_parser, main
-from bam_eval.models import random_model
 from bam_eval.passkey import PasskeySettings, auto_batch_size, evaluate_passkey
 from bam_eval.results import ResultStore
 from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
+from bam_jax.model import Transformer
 from bam_jax.reference_checkpoint import export_reference_checkpoint
 from bam_jax.tokenizers import ByteTokenizer
 from tests.checkpoint_damage import shift_floats
@@ -76,7 +77,9 @@ def test_a_sample_over_the_memory_budget_is_refused_before_any_work(run_dir, tmp
 
 
 def test_evaluate_passkey_checks_one_sample_against_the_budget(tmp_path):
-    scorer = ChunkedForward(random_model(CONFIG), lambda b, c: None, chunk_size=128)
+    scorer = ChunkedForward(
+        Transformer(CONFIG, rngs=nnx.Rngs(0)), lambda b, c: None, chunk_size=128
+    )
     store = ResultStore(str(tmp_path / "p.json"))
     with pytest.raises(ValueError, match=r"passkey length 2000 .*KV cache of 2048 slots"):
         evaluate_passkey(
@@ -140,7 +143,7 @@ def test_perplexity_counts_must_be_positive(option, capsys) -> None:
 
 
 def test_nan_weights_are_refused_naming_the_parameters(tmp_path, capsys) -> None:
-    model = random_model(CONFIG)
+    model = Transformer(CONFIG, rngs=nnx.Rngs(0))
     kernel = model.layers[1].feed_forward.w1.kernel
     kernel[...] = kernel[...].at[0, :3].set(jnp.nan)
     path = tmp_path / "nan"

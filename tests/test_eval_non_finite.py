@@ -10,10 +10,12 @@ import math
 
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from bam_eval import api
-from bam_eval.models import EvalModel, random_model
+from bam_eval.models import EvalModel
 from bam_jax.config import ModelConfig
+from bam_jax.model import Transformer
 
 CONFIG = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
 INFERENCE = api.InferenceSettings(chunk_size=32, attention="blockwise")
@@ -22,7 +24,7 @@ INFERENCE = api.InferenceSettings(chunk_size=32, attention="blockwise")
 @pytest.fixture(scope="module")
 def overflowing() -> EvalModel:
     """A model whose output weights are finite but so large that every logit overflows."""
-    model = random_model(CONFIG)
+    model = Transformer(CONFIG, rngs=nnx.Rngs(0))
     kernel = model.output.kernel
     kernel.set_value(jnp.full(kernel.get_value().shape, 3e38, jnp.float32))
     return EvalModel("huge", "huge", "reference", None, CONFIG, model, "byte")
