@@ -29,6 +29,7 @@ blockwise attention unfilled slots are skipped, so a sweep may share one capacit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -280,7 +281,8 @@ def decode_step(
     can be passed."""
     if np.ndim(tokens_Bx1) != 2 or np.shape(tokens_Bx1)[1] != 1:
         raise ValueError(f"tokens_Bx1 must be [batch, 1], got {np.shape(tokens_Bx1)}")
-    if not isinstance(cache.length, jax.core.Tracer):
+    # Traced, the length is known only at run time.
+    with contextlib.suppress(jax.errors.ConcretizationTypeError):
         _check_room(cache, 1)
     return _decode(model, jnp.asarray(tokens_Bx1, jnp.int32), cache)
 
