@@ -49,29 +49,28 @@ def optimizer_labels(model: nnx.Module, wrt: Any = nnx.Param) -> Callable[[Any],
     """`param_labels` for `optax.multi_transform` over `nnx.state(model, wrt)`: a function
     of the parameter tree, whose leaves may be variables (as `nnx.Optimizer` initialises
     the optimizer) or plain arrays (as it updates), giving each leaf's group."""
-    is_variable = lambda x: isinstance(x, nnx.Variable)
     groups = {
         _parameter_path(path): variable_group(variable)
         for path, variable in jax.tree_util.tree_leaves_with_path(
-            nnx.state(model, wrt), is_leaf=is_variable
+            nnx.state(model, wrt), is_leaf=_is_variable
         )
     }
 
     def labels(params: Any) -> Any:
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: groups[_parameter_path(path)], params, is_leaf=is_variable
+            lambda path, _: groups[_parameter_path(path)], params, is_leaf=_is_variable
         )
 
     return labels
 
 
-def is_variable(x: Any) -> bool:
+def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _parameter_path(path: tuple) -> tuple:
+def _parameter_path(path: tuple) -> str:
     """A leaf's path without the trailing `.value` of a variable leaf."""
-    keys = tuple(path)
-    if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
-        keys = keys[:-1]
-    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keys)
+    last = path[-1] if path else None
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "value":
+        path = path[:-1]
+    return jax.tree_util.keystr(tuple(path))
