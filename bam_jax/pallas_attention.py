@@ -96,15 +96,15 @@ class FusedBackend:
     of comparing backend names (FUSED_BACKENDS, below the block choosers)."""
 
     name: Backend
-    pallas: bool  # a Pallas kernel, which has an interpret mode; else native code
-    fused_backward: bool  # backward kernels of its own; else the blockwise backward
-    table_prior_only: bool  # reads every prior from its distance table
-    approx_math: bool  # may use the hardware's approximate exp2/log2
-    prior_reuse: bool  # GGD tiles reusable across query sub-blocks
-    pads_head_dim: bool  # the head dim is padded to a power of two
-    min_queries: int  # calls of fewer queries run blockwise attention (the same function)
-    reads_window_only: bool  # a local layer over a long cache reads its window's blocks only
     choose_blocks: BlockChooser
+    pallas: bool = False  # a Pallas kernel, which has an interpret mode; else native code
+    fused_backward: bool = False  # backward kernels of its own; else the blockwise backward
+    table_prior_only: bool = False  # reads every prior from its distance table
+    approx_math: bool = False  # may use the hardware's approximate exp2/log2
+    prior_reuse: bool = False  # GGD tiles reusable across query sub-blocks
+    pads_head_dim: bool = False  # the head dim is padded to a power of two
+    min_queries: int = 0  # calls of fewer queries run blockwise attention (the same function)
+    reads_window_only: bool = False  # a local layer over a long cache reads its window only
 
 
 @checked_attention
@@ -306,43 +306,24 @@ def _tpu_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[i
 
 FUSED_BACKENDS: dict[str, FusedBackend] = {
     "gpu": FusedBackend(
-        name="gpu",
+        "gpu",
+        _gpu_blocks,
         pallas=True,
         fused_backward=True,
-        table_prior_only=False,
         approx_math=True,
         prior_reuse=True,
         pads_head_dim=True,
-        min_queries=0,
-        reads_window_only=False,
-        choose_blocks=_gpu_blocks,
     ),
-    "tpu": FusedBackend(
-        name="tpu",
-        pallas=True,
-        fused_backward=False,
-        table_prior_only=False,
-        approx_math=False,
-        prior_reuse=False,
-        pads_head_dim=False,
-        min_queries=0,
-        reads_window_only=False,
-        choose_blocks=_tpu_blocks,
-    ),
+    "tpu": FusedBackend("tpu", _tpu_blocks, pallas=True),
     # The native kernel has no per-element transcendental path, so it reads the prior's
     # table; decode steps (fewer than CPU_MIN_QUERIES queries) run blockwise attention,
     # which does not compute whole 64-query blocks.
     "cpu": FusedBackend(
-        name="cpu",
-        pallas=False,
-        fused_backward=False,
+        "cpu",
+        _cpu_blocks,
         table_prior_only=True,
-        approx_math=False,
-        prior_reuse=False,
-        pads_head_dim=False,
         min_queries=cpu.CPU_MIN_QUERIES,
         reads_window_only=True,
-        choose_blocks=_cpu_blocks,
     ),
 }
 
