@@ -17,6 +17,10 @@ it starts from are `bam_jax.config.MODEL_SIZES` ("toy", "nano", "l6" ... "l24").
   `bam-quickstart --preset quickstart_paper --encodings
   bam_ssmax,bam,alibi_ssmax,rope_ssmax,nope_ssmax --seed 0,1,2` it gives the comparison of
   the paper's recipe at the quick start's scale.
+- quickstart_authors_prior, quickstart_no_dilation: the quick start without the options
+  that only BAM has: BAM's prior as the authors' train.py starts it (one prior, ALiBi
+  slopes, shape 1, location 0 and trained, prior learning rate equal to lr), or no prior
+  dilation (NoPE has none); the rows beside BAM's in the quick-start recipe's comparison.
 - quickstart_multikey: the quick start with half of its prompts multi-key (two needles
   with different nouns and keys, one asked for; bam_jax.retrieval).
 - quickstart_answer_loss: the quick start's first recipe (the README's recipe table): one
@@ -147,6 +151,28 @@ def quickstart_paper() -> TrainConfig:
     )
     optim = dataclasses.replace(cfg.optim, prior_lr=cfg.optim.lr, ssmax_lr=cfg.optim.lr)
     return cfg.replace(model=model, optim=optim, ssmax_jitter=0.0, prior_dilation=1.0)
+
+
+def quickstart_authors_prior() -> TrainConfig:
+    """The quick start with BAM's prior as the authors' train.py starts it (one prior for
+    all layers, ALiBi slopes, shape 1, location 0 and trained, prior learning rate equal to
+    lr): the quick-start recipe without the options only BAM's prior has."""
+    cfg = quickstart()
+    paper = quickstart_paper()
+    prior_fields = (
+        "global_prior",
+        "prior_alpha_init",
+        "prior_beta_init",
+        "prior_mu_init",
+        "train_prior_mu",
+    )
+    model = cfg.model.replace(**{name: getattr(paper.model, name) for name in prior_fields})
+    return cfg.replace(model=model, optim=dataclasses.replace(cfg.optim, prior_lr=cfg.optim.lr))
+
+
+def quickstart_no_dilation() -> TrainConfig:
+    """The quick start without the prior dilation (which NoPE has no analogue of)."""
+    return quickstart().replace(prior_dilation=1.0)
 
 
 def quickstart_multikey() -> TrainConfig:
@@ -295,6 +321,8 @@ TRAINING_PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny,
     "quickstart": quickstart,
     "quickstart_paper": quickstart_paper,
+    "quickstart_authors_prior": quickstart_authors_prior,
+    "quickstart_no_dilation": quickstart_no_dilation,
     "quickstart_multikey": quickstart_multikey,
     "quickstart_answer_loss": quickstart_answer_loss,
     "stdlib_bytes": stdlib_bytes,

@@ -77,6 +77,19 @@ def test_quickstart_paper_is_the_quick_start_under_the_paper_s_protocol():
         assert (cfg.ssmax_jitter, cfg.prior_dilation) == (0.0, 1.0), encoding
 
 
+def test_the_bam_rows_without_bam_only_options_differ_from_the_quick_start_in_those_alone():
+    quick, paper = preset("quickstart"), preset("quickstart_paper")
+    authors = preset("quickstart_authors_prior")
+    prior_fields = ("global_prior", "prior_alpha_init", "prior_beta_init", "prior_mu_init")
+    assert authors.model == quick.model.replace(
+        train_prior_mu=True, **{name: getattr(paper.model, name) for name in prior_fields}
+    )
+    assert authors.model.global_prior and authors.model.prior_beta_init == 1.0
+    assert authors.optim == dataclasses.replace(quick.optim, prior_lr=quick.optim.lr)
+    assert authors == quick.replace(model=authors.model, optim=authors.optim)
+    assert preset("quickstart_no_dilation") == quick.replace(prior_dilation=1.0)
+
+
 def test_a_run_stopped_by_sigterm_is_not_evaluated(tmp_path, monkeypatch, capsys):
     def preempted(cfg, workdir):
         return TrainResult(step=7, state=None, last_loss=None, preempted=True)
