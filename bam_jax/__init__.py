@@ -21,6 +21,7 @@ Digits are literal sizes (`log_n_Bx1xT`, `head_params_Hx8`).
 import importlib.metadata
 
 from bam_jax.attention import dot_product_attention, reference_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.config import ENCODINGS, Encoding, ModelConfig
 from bam_jax.inference import decode_step, generate, init_cache, prefill
 from bam_jax.kv_cache import KVCache
@@ -63,6 +64,7 @@ __all__ = [
     "PRIOR_PRESETS",
     "AlibiPrior",
     "Attention",
+    "AttentionSpec",
     "Encoding",
     "GGDPrior",
     "KVCache",

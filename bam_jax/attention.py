@@ -20,15 +20,17 @@ padding, which is never attended to and never counted by SSMax.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
 from bam_jax.attention_inputs import checked_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.blockwise import blockwise_attention
 from bam_jax.implementation import resolve_implementation
-from bam_jax.masking import AttentionMask, log_visible_count, visibility_mask
+from bam_jax.masking import log_visible_count, visibility_mask
 from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import Prior
 
@@ -37,51 +39,45 @@ def dot_product_attention(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
     value_BxSxKxD: jax.Array,
+    spec: AttentionSpec | None = None,
     *,
     prior: Prior | None = None,
     ssmax_scale_H: jax.Array | None = None,
-    ssmax_prior_inside: bool = True,
+    ssmax_max_count: int | jax.Array | None = None,
     query_segment_ids_BxT: jax.Array | None = None,
     key_segment_ids_BxS: jax.Array | None = None,
     query_offset: int | jax.Array = 0,
-    causal: bool = True,
-    window: int | None = None,
-    ssmax_max_count: int | jax.Array | None = None,
-    implementation: str = "auto",
-    block_q: int | None = None,
-    block_k: int | None = None,
+    **spec_fields,
 ) -> jax.Array:
     """Attention output [B, T, H, D] in the query's dtype.
 
     logits = q.k / sqrt(D) + prior.bias(k_pos - q_pos); with SSMax (`ssmax_scale_H`
     given) the logits of query i are multiplied by s_h * log(n_i), n_i the number of
-    keys it may see, either including the prior (`ssmax_prior_inside`, the default)
+    keys it may see, either including the prior (`spec.ssmax_prior_inside`, the default)
     or before the prior is added. Softmax is computed in float32. A query that can
     see no key (padding) gets a zero output.
 
     Args:
       query_BxTxHxD: queries; H must be a multiple of K (grouped-query attention).
       key_BxSxKxD, value_BxSxKxD: keys and values of the S key slots.
+      spec: the static choices (`AttentionSpec`: causal, window, ssmax_prior_inside,
+        implementation, block_q, block_k). Instead of a spec its fields may be given by
+        keyword (`causal=False, window=16`), which builds one; not both.
       prior: a positional prior (`GGDPrior`, `AlibiPrior`) whose `bias(distance)` is
         added to the logits, distance = key position - query position (<= 0 when causal);
         None for no prior.
       ssmax_scale_H: Scalable-Softmax scales s_h, or None for a plain softmax.
-      ssmax_prior_inside: with SSMax, whether the prior is scaled with the content logits
-        (True) or added after the scaling (False).
-      query_segment_ids_BxT, key_segment_ids_BxS: integer document ids; a query sees only
-        keys with its id, and negative ids mark padding. Both or neither.
-      query_offset: position of the first query (a KV cache's fill level when decoding).
-      causal: mask keys after the query.
-      window: with `causal`, each query sees only the `window` latest positions.
       ssmax_max_count: with SSMax, n_i is capped at this count, so the scaling stops
         growing past it (e.g. the training context: the layer then attends as sharply at
         any length as it did in training). None: no cap.
-      implementation: "auto" (the default: `resolve_implementation`'s choice, blockwise
-        unless the fused kernel has been validated on this device kind), "reference" (the
-        T x S oracle), "blockwise" or "fused" ("pallas" is its earlier name).
-      block_q, block_k: tile sizes of the blockwise and fused implementations (None: the
-        implementation's default, blockwise.DEFAULT_BLOCK or the fused backend's).
+      query_segment_ids_BxT, key_segment_ids_BxS: integer document ids; a query sees only
+        keys with its id, and negative ids mark padding. Both or neither.
+      query_offset: position of the first query (a KV cache's fill level when decoding).
+
+    The implementation "auto" (the default) is `resolve_implementation`'s choice:
+    blockwise unless the fused kernel has been validated on this device kind.
     """
+    spec = _spec_of(spec, spec_fields)
     query_BxTxHxD, key_BxSxKxD, value_BxSxKxD = (
         jnp.asarray(x) for x in (query_BxTxHxD, key_BxSxKxD, value_BxSxKxD)
     )
@@ -89,24 +85,41 @@ def dot_product_attention(
         None if x is None else jnp.asarray(x)
         for x in (ssmax_scale_H, query_segment_ids_BxT, key_segment_ids_BxS)
     )
-    implementation = resolve_implementation(implementation)
-    kwargs = dict(
+    implementation = {
+        "reference": reference_attention,
+        "blockwise": blockwise_attention,
+        "fused": pallas_attention,
+    }[resolve_implementation(spec.implementation)]
+    return implementation(
+        query_BxTxHxD,
+        key_BxSxKxD,
+        value_BxSxKxD,
+        spec,
         prior=prior,
         ssmax_scale_H=ssmax_scale_H,
-        ssmax_prior_inside=ssmax_prior_inside,
+        ssmax_max_count=ssmax_max_count,
         query_segment_ids_BxT=query_segment_ids_BxT,
         key_segment_ids_BxS=key_segment_ids_BxS,
         query_offset=query_offset,
-        causal=causal,
-        window=window,
-        ssmax_max_count=ssmax_max_count,
     )
-    if implementation == "reference":
-        return reference_attention(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, **kwargs)
-    tiled = {"blockwise": blockwise_attention, "fused": pallas_attention}[implementation]
-    return tiled(
-        query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, block_q=block_q, block_k=block_k, **kwargs
-    )
+
+
+def _spec_of(spec: AttentionSpec | None, fields: dict) -> AttentionSpec:
+    """`spec`, or the spec that `fields` (AttentionSpec's fields by keyword) describe."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(AttentionSpec)})
+    if unknown:
+        raise TypeError(
+            f"dot_product_attention got unexpected keyword arguments {unknown}; "
+            f"the spec's fields are {[f.name for f in dataclasses.fields(AttentionSpec)]}"
+        )
+    if spec is None:
+        return AttentionSpec(**fields)
+    if fields:
+        raise TypeError(
+            f"dot_product_attention takes a spec or its fields by keyword, not both: "
+            f"got spec and {sorted(fields)}"
+        )
+    return spec
 
 
 @checked_attention
@@ -114,16 +127,14 @@ def reference_attention(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
     value_BxSxKxD: jax.Array,
+    spec: AttentionSpec,
     *,
     prior: Prior | None,
     ssmax_scale_H: jax.Array | None,
-    ssmax_prior_inside: bool,
+    ssmax_max_count: int | jax.Array | None,
     query_segment_ids_BxT: jax.Array | None,
     key_segment_ids_BxS: jax.Array | None,
     query_offset: int | jax.Array,
-    causal: bool,
-    window: int | None,
-    ssmax_max_count: int | jax.Array | None = None,
 ) -> jax.Array:
     """The oracle: materialises the [B, H, T, S] logits."""
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
@@ -139,7 +150,7 @@ def reference_attention(
     query_positions_T = jnp.arange(q_len) + query_offset
     key_positions_S = jnp.arange(kv_len)
     mask_BxTxS = visibility_mask(
-        AttentionMask(causal, window, kv_len),
+        spec.mask(kv_len),
         query_positions_T,
         key_positions_S,
         query_segment_ids_BxT,
@@ -153,7 +164,7 @@ def reference_attention(
         log_n_Bx1xT = log_visible_count(visible_BxT, ssmax_max_count)[:, None, :]
         factor_BxHxT = ssmax_scale_H.astype(jnp.float32)[None, :, None] * log_n_Bx1xT
         factor_BxHxTx1 = factor_BxHxT[..., None]
-        if bias_HxTxS is not None and ssmax_prior_inside:
+        if bias_HxTxS is not None and spec.ssmax_prior_inside:
             logits_BxHxTxS = (logits_BxHxTxS + bias_HxTxS[None]) * factor_BxHxTx1
         else:
             logits_BxHxTxS = logits_BxHxTxS * factor_BxHxTx1

@@ -3,21 +3,21 @@
 Only shapes, dtypes and Python values are read, so under jit the checks cost nothing at
 run time. Each public implementation (`reference_attention`, `blockwise_attention`,
 `pallas_attention`) is wrapped in `checked_attention`, which runs them once;
-`dot_product_attention` leaves them to the one it dispatches to.
+`dot_product_attention` leaves them to the one it dispatches to. The static choices
+(`AttentionSpec`) check themselves when built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bam_jax.masking import check_window
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.priors import Prior
 
 
@@ -28,18 +28,15 @@ def check_attention_inputs(
     *,
     prior: Prior | None,
     ssmax_scale_H: jax.Array | None,
-    ssmax_prior_inside: bool,
+    ssmax_max_count: int | jax.Array | None,
     query_segment_ids_BxT: jax.Array | None,
     key_segment_ids_BxS: jax.Array | None,
     query_offset: int | jax.Array,
-    causal: bool,
-    window: int | None,
-    ssmax_max_count: int | jax.Array | None = None,
 ) -> None:
     """Raises ValueError (shapes, values) or TypeError (dtypes) naming the bad argument.
 
     Only shapes, dtypes and Python values are read, so under jit this costs nothing at
-    run time.
+    run time. The static choices are checked when their `AttentionSpec` is built.
     """
     _check_qkv(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD)
     batch, q_len, num_heads, _ = query_BxTxHxD.shape
@@ -54,50 +51,56 @@ def check_attention_inputs(
     if ssmax_max_count is not None:
         _check_ssmax_max_count(ssmax_max_count, ssmax_scale_H)
     _check_segment_ids(query_segment_ids_BxT, key_segment_ids_BxS, batch, q_len, kv_len)
-    _check_positions(query_offset, causal, window, ssmax_prior_inside)
-
-
-CHECKED_ARGUMENTS = (
-    "prior",
-    "ssmax_scale_H",
-    "ssmax_prior_inside",
-    "query_segment_ids_BxT",
-    "key_segment_ids_BxS",
-    "query_offset",
-    "causal",
-    "window",
-    "ssmax_max_count",
-)
+    _check_query_offset(query_offset)
 
 
 def checked_attention(implementation: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """`implementation` (query, key, value and the CHECKED_ARGUMENTS by keyword, optionally
-    block_q/block_k) with its arguments checked first, and zeros of the query's shape
-    returned without running it when there are no queries or no keys.
+    """`implementation(query, key, value, spec, *, prior, ssmax_scale_H, ssmax_max_count,
+    query_segment_ids_BxT, key_segment_ids_BxS, query_offset, **options)` (a spec of None
+    is `AttentionSpec()`) with its
+    arguments checked first, and zeros of the query's shape returned without running it
+    when there are no queries or no keys. `options` are the implementation's own (the
+    fused kernel's backend and launch parameters).
 
     Query, key and value wider than float32 (float64 under x64) are rounded to float32
     before the implementation runs, and its output is returned in the query's dtype:
     every implementation computes in float32 at most (docs/precision.md).
     """
-    signature = inspect.signature(implementation)
-    qkv_names = list(signature.parameters)[:3]
 
     @functools.wraps(implementation)
-    def run(*args, **kwargs) -> jax.Array:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        given = bound.arguments
-        if "block_q" in given:
-            check_block_sizes(given["block_q"], given["block_k"])
-        query, key, value = (given[name] for name in qkv_names)
-        check_attention_inputs(
-            query, key, value, **{name: given[name] for name in CHECKED_ARGUMENTS}
+    def run(
+        query_BxTxHxD: jax.Array,
+        key_BxSxKxD: jax.Array,
+        value_BxSxKxD: jax.Array,
+        spec: AttentionSpec | None = None,
+        *,
+        prior: Prior | None = None,
+        ssmax_scale_H: jax.Array | None = None,
+        ssmax_max_count: int | jax.Array | None = None,
+        query_segment_ids_BxT: jax.Array | None = None,
+        key_segment_ids_BxS: jax.Array | None = None,
+        query_offset: int | jax.Array = 0,
+        **options,
+    ) -> jax.Array:
+        spec = AttentionSpec() if spec is None else spec
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(
+                f"spec must be a bam_jax.AttentionSpec (causal, window, ...), got {spec!r}"
+            )
+        arrays = dict(
+            prior=prior,
+            ssmax_scale_H=ssmax_scale_H,
+            ssmax_max_count=ssmax_max_count,
+            query_segment_ids_BxT=query_segment_ids_BxT,
+            key_segment_ids_BxS=key_segment_ids_BxS,
+            query_offset=query_offset,
         )
-        if has_no_queries_or_keys(query, key):
-            return jnp.zeros(query.shape, query.dtype)
-        for name in qkv_names:
-            given[name] = _at_most_float32(given[name])
-        return implementation(*bound.args, **bound.kwargs).astype(query.dtype)
+        check_attention_inputs(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, **arrays)
+        if has_no_queries_or_keys(query_BxTxHxD, key_BxSxKxD):
+            return jnp.zeros(query_BxTxHxD.shape, query_BxTxHxD.dtype)
+        qkv = (_at_most_float32(x) for x in (query_BxTxHxD, key_BxSxKxD, value_BxSxKxD))
+        out = implementation(*qkv, spec, **arrays, **options)
+        return out.astype(query_BxTxHxD.dtype)
 
     return run
 
@@ -196,7 +199,7 @@ def _check_ssmax_max_count(max_count: int | jax.Array, ssmax_scale_H: jax.Array 
         raise ValueError(f"ssmax_max_count must be >= 1, got {max_count}")
 
 
-def _check_positions(query_offset, causal, window, ssmax_prior_inside) -> None:
+def _check_query_offset(query_offset) -> None:
     if not jnp.issubdtype(jnp.result_type(query_offset), jnp.integer):
         raise TypeError(
             f"query_offset must be an integer (the position of the first query), "
@@ -206,15 +209,3 @@ def _check_positions(query_offset, causal, window, ssmax_prior_inside) -> None:
         raise ValueError(f"query_offset must be a scalar, got shape {jnp.shape(query_offset)}")
     if isinstance(query_offset, (int, np.integer)) and query_offset < 0:
         raise ValueError(f"query_offset must be >= 0, got {query_offset}")
-    for name, flag in (("causal", causal), ("ssmax_prior_inside", ssmax_prior_inside)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-    check_window(window)
-
-
-def check_block_sizes(block_q: int | None, block_k: int | None) -> None:
-    """Raises ValueError unless each tile size is None (the implementation's default) or a
-    positive int."""
-    for name, value in (("block_q", block_q), ("block_k", block_k)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")

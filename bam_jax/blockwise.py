@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from bam_jax.attention_inputs import checked_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.masking import PADDING_SEGMENT, AttentionMask, log_visible_count
 from bam_jax.priors import Prior
 
@@ -83,41 +84,36 @@ def blockwise_attention(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
     value_BxSxKxD: jax.Array,
+    spec: AttentionSpec,
     *,
     prior: Prior | None,
     ssmax_scale_H: jax.Array | None,
-    ssmax_prior_inside: bool,
+    ssmax_max_count: int | jax.Array | None,
     query_segment_ids_BxT: jax.Array | None,
     key_segment_ids_BxS: jax.Array | None,
     query_offset: int | jax.Array,
-    causal: bool,
-    window: int | None,
-    block_q: int | None,
-    block_k: int | None,
-    ssmax_max_count: int | jax.Array | None = None,
 ) -> jax.Array:
     """Same function as `reference_attention`, in memory linear in T and S.
 
-    block_q, block_k: tile sizes (None: DEFAULT_BLOCK), capped at the lengths.
+    Tiles: `spec.block_q` x `spec.block_k` (None: DEFAULT_BLOCK), capped at the lengths.
     """
-    block_k = block_k or DEFAULT_BLOCK
+    block_k = spec.block_k or DEFAULT_BLOCK
     key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset = window_keys(
         key_BxSxKxD,
         value_BxSxKxD,
         key_segment_ids_BxS,
         query_offset,
         q_len=query_BxTxHxD.shape[1],
-        causal=causal,
-        window=window,
+        causal=spec.causal,
+        window=spec.window,
         block_k=min(block_k, key_BxSxKxD.shape[1]),
     )
-    mask = AttentionMask(causal, window, key_BxSxKxD.shape[1])
     static = _static(
-        mask,
-        ssmax_prior_inside,
+        spec.mask(key_BxSxKxD.shape[1]),
+        spec.ssmax_prior_inside,
         query_BxTxHxD.shape,
         key_BxSxKxD.shape,
-        block_q or DEFAULT_BLOCK,
+        spec.block_q or DEFAULT_BLOCK,
         block_k,
     )
     padded = _pad_inputs(

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.implementation import canonical_implementation
 from bam_jax.priors import check_ggd_form
 from bam_jax.validation import (
@@ -326,6 +327,19 @@ class ModelConfig:
             return (self.window,) * self.n_layers
         return tuple(
             self._window_size if i < self.local_layers else None for i in range(self.n_layers)
+        )
+
+    def attention_spec(self, layer: int = 0) -> AttentionSpec:
+        """The attention spec of layer `layer`: causal, its window, the configured
+        implementation and tiles, and the prior inside SSMax's scaling only for BAM (the
+        SSMax baselines scale the content term; ALiBi's bias comes after)."""
+        return AttentionSpec(
+            causal=True,
+            window=self.layer_windows()[layer],
+            ssmax_prior_inside=self.ssmax_prior_inside and self.positional.learned_prior,
+            implementation=self.attention_impl,
+            block_q=self.block_q,
+            block_k=self.block_k,
         )
 
     @classmethod

@@ -157,12 +157,12 @@ class Attention(nnx.Module):
     Standalone use: `attention(x_BxTxE, segment_ids_BxT=None)`. The Transformer passes each
     layer its finished inputs (`layer_inputs`: the prior, global or the layer's own, and the
     SSMax scale, both as training varies them). `layer` is the block's index, which decides
-    its window (`ModelConfig.layer_windows`).
+    its window; `spec` is the layer's `AttentionSpec` (`ModelConfig.attention_spec`).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.config = config
-        self.window = config.layer_windows()[layer]
+        self.spec = config.attention_spec(layer)
         q_dim, kv_dim = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
         self.wq = _linear(config.dim, q_dim, ("embed", "q_heads"), config, rngs)
         self.wk = _linear(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
@@ -239,19 +239,13 @@ class Attention(nnx.Module):
             q_BxTxHxD,
             keys.astype(q_BxTxHxD.dtype),
             values.astype(q_BxTxHxD.dtype),
+            self.spec,
             prior=inputs.prior,
             ssmax_scale_H=inputs.ssmax_scale_H,
-            # The SSMax baselines scale only the content term; ALiBi's bias comes after.
-            ssmax_prior_inside=cfg.ssmax_prior_inside and cfg.positional.learned_prior,
+            ssmax_max_count=inputs.ssmax_max_count,
             query_segment_ids_BxT=segment_ids_BxT,
             key_segment_ids_BxS=segment_ids_BxT,
             query_offset=offset,
-            causal=True,
-            window=self.window,
-            ssmax_max_count=inputs.ssmax_max_count,
-            implementation=cfg.attention_impl,
-            block_q=cfg.block_q,
-            block_k=cfg.block_k,
         )
         out_BxTxE = self.wo(out_BxTxHxD.reshape(batch, length, cfg.n_heads * cfg.head_dim))
         return out_BxTxE if kv is None else (out_BxTxE, (keys, values))

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from bam_jax.attention_inputs import checked_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.blockwise import blockwise_attention, flash_backward, window_keys
 from bam_jax.kernels import cpu
 from bam_jax.kernels.cpu import CPU_BLOCK_K, CPU_BLOCK_Q, cpu_forward
@@ -74,7 +75,7 @@ from bam_jax.kernels.tile_math import (
     round_up,
 )
 from bam_jax.kernels.tpu import tpu_forward
-from bam_jax.masking import AttentionMask, log_visible_count
+from bam_jax.masking import log_visible_count
 from bam_jax.priors import AlibiPrior, GGDPrior, Prior, ggd_mu
 
 GPU_MAX_BLOCK_Q = 256
@@ -112,18 +113,14 @@ def pallas_attention(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
     value_BxSxKxD: jax.Array,
+    spec: AttentionSpec,
     *,
-    prior: Prior | None = None,
-    ssmax_scale_H: jax.Array | None = None,
-    ssmax_prior_inside: bool = True,
-    query_segment_ids_BxT: jax.Array | None = None,
-    key_segment_ids_BxS: jax.Array | None = None,
-    query_offset: int | jax.Array = 0,
-    causal: bool = True,
-    window: int | None = None,
-    ssmax_max_count: int | jax.Array | None = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
+    prior: Prior | None,
+    ssmax_scale_H: jax.Array | None,
+    ssmax_max_count: int | jax.Array | None,
+    query_segment_ids_BxT: jax.Array | None,
+    key_segment_ids_BxS: jax.Array | None,
+    query_offset: int | jax.Array,
     backend: Backend | None = None,
     interpret: bool = False,
     approx_math: bool = True,
@@ -143,7 +140,7 @@ def pallas_attention(
         block_k ignored, prior always read from its table; fewer than CPU_MIN_QUERIES
         queries run `blockwise_attention`, the same function). To run a Pallas kernel on CPU
         pass backend "gpu" or "tpu" and `interpret=True` (Pallas interpret mode).
-    block_q, block_k: tile sizes (None = the backend's default for the head dim,
+    spec.block_q, spec.block_k: tile sizes (None = the backend's default for the head dim,
         GPU_DEFAULTS / TPU_DEFAULT_BLOCK_*). On GPU powers of two with
         16 <= block_q <= 256 and 16 <= block_k <= 128 (anything else raises), lowered to
         the next power of two of a shorter sequence. On TPU multiples of 8; a compiled
@@ -165,7 +162,9 @@ def pallas_attention(
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
     fused = _resolve_backend(backend, interpret)
-    block_q, block_k = fused.choose_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k)
+    block_q, block_k = fused.choose_blocks(
+        interpret, head_dim, q_len, kv_len, spec.block_q, spec.block_k
+    )
     prior_kind = _prior_kind(prior)
     backward = _resolve_backward(fused, backward, prior_kind)
     if q_len < fused.min_queries:
@@ -173,17 +172,13 @@ def pallas_attention(
             query_BxTxHxD,
             key_BxSxKxD,
             value_BxSxKxD,
+            spec.replace(block_q=fused.min_queries, block_k=cpu.CPU_SHORT_BLOCK_K),
             prior=prior,
             ssmax_scale_H=ssmax_scale_H,
-            ssmax_prior_inside=ssmax_prior_inside,
+            ssmax_max_count=ssmax_max_count,
             query_segment_ids_BxT=query_segment_ids_BxT,
             key_segment_ids_BxS=key_segment_ids_BxS,
             query_offset=query_offset,
-            causal=causal,
-            window=window,
-            block_q=fused.min_queries,
-            block_k=cpu.CPU_SHORT_BLOCK_K,
-            ssmax_max_count=ssmax_max_count,
         )
     if fused.reads_window_only:
         key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset = window_keys(
@@ -192,8 +187,8 @@ def pallas_attention(
             key_segment_ids_BxS,
             query_offset,
             q_len=q_len,
-            causal=causal,
-            window=window,
+            causal=spec.causal,
+            window=spec.window,
             block_k=block_k,
         )
         kv_len = key_BxSxKxD.shape[1]
@@ -208,10 +203,10 @@ def pallas_attention(
         q_len=q_len,
         head_dim=head_dim,
         groups=num_heads // num_kv_heads,
-        mask=AttentionMask(causal, window, kv_len),
+        mask=spec.mask(kv_len),
         prior_kind=prior_kind,
         ssmax=ssmax_scale_H is not None,
-        prior_inside=ssmax_prior_inside,
+        prior_inside=spec.ssmax_prior_inside,
         segments=query_segment_ids_BxT is not None,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bam_jax.attention import reference_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.blockwise import blockwise_attention
 from bam_jax.implementation import FUSED_VALIDATED_DEVICES
 from bam_jax.masking import AttentionMask, visibility_mask
@@ -404,37 +405,35 @@ def make_prior(
 
 def _attention_options(case: GateCase, inputs: dict) -> dict:
     return dict(
-        ssmax_prior_inside=case.prior_inside,
         query_segment_ids_BxT=inputs["q_seg"],
         key_segment_ids_BxS=inputs["k_seg"],
         query_offset=case.offset,
-        causal=True,
-        window=None,
     )
 
 
 def gate_functions(case: GateCase, inputs: dict, settings: Settings) -> tuple[Callable, Callable]:
     """(kernel, reference) as f(q, k, v, prior, ssmax) -> out."""
     options = _attention_options(case, inputs)
+    spec = AttentionSpec(ssmax_prior_inside=case.prior_inside)
+    tiled = spec.replace(block_q=settings.block_q, block_k=settings.block_k)
 
     def kernel(q, k, v, prior, ssmax):
         return pallas_attention(
             q,
             k,
             v,
+            tiled,
             prior=prior,
             ssmax_scale_H=ssmax,
             backend=settings.backend,
             interpret=settings.interpret,
-            block_q=settings.block_q,
-            block_k=settings.block_k,
             prior_table=case.prior_table,
             **options,
         )
 
     def reference(q, k, v, prior, ssmax):
         with jax.default_matmul_precision("highest"):
-            return reference_attention(q, k, v, prior=prior, ssmax_scale_H=ssmax, **options)
+            return reference_attention(q, k, v, spec, prior=prior, ssmax_scale_H=ssmax, **options)
 
     return kernel, reference
 
@@ -543,21 +542,8 @@ def attention_variant(variant: str, settings: Settings) -> Callable:
     if variant == "jax-mha":
         return _jax_pallas_mha(settings)
     if variant == "blockwise+ggd":
-        return lambda q, k, v, prior: blockwise_attention(
-            q,
-            k,
-            v,
-            prior=prior,
-            ssmax_scale_H=None,
-            ssmax_prior_inside=True,
-            query_segment_ids_BxT=None,
-            key_segment_ids_BxS=None,
-            query_offset=0,
-            causal=True,
-            window=None,
-            block_q=settings.block_q,
-            block_k=settings.block_k,
-        )
+        spec = AttentionSpec(block_q=settings.block_q, block_k=settings.block_k)
+        return lambda q, k, v, prior: blockwise_attention(q, k, v, spec, prior=prior)
     ssmax = jnp.ones((settings.heads,), jnp.float32) if "ssmax" in variant else None
     options = dict(
         ssmax_scale_H=ssmax,
@@ -567,10 +553,9 @@ def attention_variant(variant: str, settings: Settings) -> Callable:
         prior_reuse="noreuse" not in variant,
         prior_table="table" in variant,
         backward="blockwise" if "bwdblockwise" in variant else None,
-        block_q=settings.block_q,
-        block_k=settings.block_k,
     )
-    return lambda q, k, v, prior: pallas_attention(q, k, v, prior=prior, **options)
+    spec = AttentionSpec(block_q=settings.block_q, block_k=settings.block_k)
+    return lambda q, k, v, prior: pallas_attention(q, k, v, spec, prior=prior, **options)
 
 
 def _jax_pallas_mha(settings: Settings) -> Callable:

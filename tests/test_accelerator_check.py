@@ -66,10 +66,8 @@ def test_failed_gate_prints_fail_skips_kernel_rows_and_exits_1(
 def test_gate_fails_a_kernel_that_ignores_the_prior(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def kernel_without_prior(
-        q, k, v, *, prior, backend, interpret, block_q, block_k, prior_table, **options
-    ):
-        return reference_attention(q, k, v, prior=None, **options)
+    def kernel_without_prior(q, k, v, spec, *, prior, backend, interpret, prior_table, **options):
+        return reference_attention(q, k, v, spec, prior=None, **options)
 
     first_case = accelerator_check.gate_cases(smoke=True)[:1]
     monkeypatch.setattr(accelerator_check, "gate_cases", lambda smoke: first_case)

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from bam_jax.attention import dot_product_attention, reference_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.config import ModelConfig
 from bam_jax.model import Attention
 from bam_jax.priors import GGDPrior, init_ggd_prior
@@ -138,19 +139,7 @@ def test_length_zero_gives_a_zero_output_of_the_query_shape(
 
 def test_reference_attention_called_directly_handles_length_zero() -> None:
     q, k, v = _qkv(q_len=5, kv_len=0)
-    out = reference_attention(
-        q,
-        k,
-        v,
-        prior=None,
-        ssmax_scale_H=None,
-        ssmax_prior_inside=True,
-        query_segment_ids_BxT=None,
-        key_segment_ids_BxS=None,
-        query_offset=0,
-        causal=True,
-        window=None,
-    )
+    out = reference_attention(q, k, v, AttentionSpec())
     np.testing.assert_array_equal(out, np.zeros((BATCH, 5, HEADS, HEAD_DIM), np.float32))
 
 

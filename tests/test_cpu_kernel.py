@@ -27,6 +27,7 @@ import pytest
 
 from bam_jax import pallas_attention as pallas_attention_module
 from bam_jax.attention import dot_product_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.kernels import cpu
 from bam_jax.pallas_attention import pallas_attention
 from tests.cpu_compiler import needs_compiler
@@ -151,12 +152,11 @@ def test_cutting_a_window_from_a_long_cache_changes_no_bit(monkeypatch) -> None:
 def test_implementation_pallas_on_cpu_is_the_cpu_kernel() -> None:
     case = VALUE_CASES["chunked_prefill_alibi_ssmax_outside"]
     inputs = make_inputs(case)
-    kwargs = dict(prior=inputs["prior"], ssmax_scale_H=inputs["ssmax"], ssmax_prior_inside=False)
+    kwargs = dict(prior=inputs["prior"], ssmax_scale_H=inputs["ssmax"], query_offset=case.offset)
     args = (inputs["q"], inputs["k"], inputs["v"])
-    chosen = dot_product_attention(
-        *args, **kwargs, query_offset=case.offset, implementation="fused"
-    )
-    kernel = pallas_attention(*args, **kwargs, query_offset=case.offset, backend="cpu")
+    spec = AttentionSpec(ssmax_prior_inside=False)
+    chosen = dot_product_attention(*args, spec.replace(implementation="fused"), **kwargs)
+    kernel = pallas_attention(*args, spec, **kwargs, backend="cpu")
     np.testing.assert_array_equal(chosen, kernel)
     np.testing.assert_allclose(chosen, run_reference(case, inputs), atol=2e-5, rtol=2e-5)
 
@@ -327,8 +327,7 @@ def test_sharp_logits_that_keep_raising_the_row_shift() -> None:
         sharp["q"],
         sharp["k"],
         sharp["v"],
-        **attention_kwargs(case, sharp),
-        implementation="blockwise",
+        **attention_kwargs(case, sharp, implementation="blockwise", block_q=None, block_k=None),
     )
     kernel_error = float(jnp.max(jnp.abs(run_kernel(case, "cpu", sharp) - expected)))
     blockwise_error = float(jnp.max(jnp.abs(blockwise - expected)))

@@ -315,9 +315,9 @@ def test_a_decode_step_runs_blockwise_attention() -> None:
         inputs["q"],
         inputs["k"],
         inputs["v"],
-        **attention_kwargs(single, inputs),
-        block_q=cpu.CPU_MIN_QUERIES,
-        block_k=cpu.CPU_SHORT_BLOCK_K,
+        **attention_kwargs(
+            single, inputs, block_q=cpu.CPU_MIN_QUERIES, block_k=cpu.CPU_SHORT_BLOCK_K
+        ),
     )
     np.testing.assert_array_equal(out, expected)
 

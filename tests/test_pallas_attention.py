@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import itertools
 
 import jax
@@ -18,7 +17,8 @@ import numpy as np
 import pytest
 
 from bam_jax import implementation
-from bam_jax.attention import dot_product_attention, reference_attention
+from bam_jax.attention import reference_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.config import ModelConfig
 from bam_jax.implementation import resolve_implementation
 from bam_jax.kernels.lowering import kernel_modules, lower_for, tile_op_counts
@@ -91,20 +91,29 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
     return inputs
 
 
+SPEC_FIELDS = frozenset(field.name for field in dataclasses.fields(AttentionSpec))
+
+
 def attention_kwargs(case: Case, inputs: dict, **overrides) -> dict:
-    kwargs = dict(
+    """The case's `spec` and arrays by keyword; `overrides` replace either."""
+    spec_fields = dict(
+        causal=case.causal,
+        window=case.window,
+        ssmax_prior_inside=case.prior_inside,
+        block_q=case.block_q,
+        block_k=case.block_k,
+    )
+    arrays = dict(
         prior=inputs["prior"],
         ssmax_scale_H=inputs["ssmax"],
-        ssmax_prior_inside=case.prior_inside,
+        ssmax_max_count=case.ssmax_max_count,
         query_segment_ids_BxT=inputs["q_seg"],
         key_segment_ids_BxS=inputs["k_seg"],
         query_offset=case.offset,
-        causal=case.causal,
-        window=case.window,
-        ssmax_max_count=case.ssmax_max_count,
     )
-    kwargs.update(overrides)
-    return kwargs
+    for name, value in overrides.items():
+        (spec_fields if name in SPEC_FIELDS else arrays)[name] = value
+    return dict(spec=AttentionSpec(**spec_fields), **arrays)
 
 
 def run_kernel(case: Case, backend: str, inputs: dict, **overrides) -> jax.Array:
@@ -113,8 +122,6 @@ def run_kernel(case: Case, backend: str, inputs: dict, **overrides) -> jax.Array
         inputs["k"],
         inputs["v"],
         **attention_kwargs(case, inputs, **overrides),
-        block_q=case.block_q,
-        block_k=case.block_k,
         backend=backend,
         interpret=backend != "cpu",
         prior_table=case.prior_table,
@@ -300,10 +307,9 @@ def test_bad_arguments_raise() -> None:
                 inputs["q"],
                 inputs["k"],
                 inputs["v"],
+                AttentionSpec(block_q=block_q, block_k=block_k),
                 backend="gpu",
                 interpret=True,
-                block_q=block_q,
-                block_k=block_k,
             )
     with pytest.raises(ValueError, match="block_k must be a positive multiple of 8 on TPU"):
         run_kernel(dataclasses.replace(case, block_k=20), "tpu", inputs)
@@ -392,8 +398,7 @@ def test_default_tiles_are_each_kernel_backend_s_own() -> None:
     # A model or a call that names no tiles gets the kernel's: blockwise's 256-key blocks
     # would exceed Triton's 128 on GPU.
     config = ModelConfig(attention_impl="fused")
-    defaults = inspect.signature(dot_product_attention).parameters
-    assert (defaults["block_q"].default, defaults["block_k"].default) == (None, None)
+    assert (AttentionSpec().block_q, AttentionSpec().block_k) == (None, None)
     case = Case(q_len=40, ssmax=True, block_q=config.block_q, block_k=config.block_k)
     for backend in ("gpu", "tpu"):
         check_values(case, backend)
@@ -428,9 +433,8 @@ def lowered_kernel_text(case: Case, platform: str, **options) -> str:
     backend = "gpu" if platform == "cuda" else "tpu"
 
     def forward(q, k, v):
-        return pallas_attention(
-            q, k, v, **attention_kwargs(case, inputs), backend=backend, **options
-        )
+        kwargs = attention_kwargs(case, inputs, block_q=None, block_k=None)
+        return pallas_attention(q, k, v, **kwargs, backend=backend, **options)
 
     return lower_for(forward, shapes, platform).as_text()
 

@@ -51,8 +51,6 @@ def gradients(case: Case, inputs: dict, backward: str | None) -> tuple:
                 k,
                 v,
                 **attention_kwargs(case, args),
-                block_q=case.block_q,
-                block_k=case.block_k,
                 backend="gpu",
                 interpret=True,
                 backward=backward,
@@ -171,7 +169,8 @@ def test_backward_kernels_lower_for_cuda(name: str) -> None:
     )
 
     def loss(q, k, v, prior, ssmax):
-        kwargs = attention_kwargs(case, dict(inputs, prior=prior, ssmax=ssmax))
+        arrays = dict(inputs, prior=prior, ssmax=ssmax)
+        kwargs = attention_kwargs(case, arrays, block_q=None, block_k=None)
         out = pallas_attention(q, k, v, **kwargs, backend="gpu")  # default backward: fused
         return jnp.sum(out.astype(jnp.float32))
 

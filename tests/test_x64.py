@@ -109,10 +109,9 @@ def implementation_run(case: Case, implementation: str) -> Callable[[dict], jax.
             i["q"],
             i["k"],
             i["v"],
-            **attention_kwargs(case, i, query_offset=jnp.asarray(case.offset)),
-            implementation=implementation,
-            block_q=case.block_q,
-            block_k=case.block_k,
+            **attention_kwargs(
+                case, i, query_offset=jnp.asarray(case.offset), implementation=implementation
+            ),
         )
 
     return jax.jit(run)
@@ -125,8 +124,6 @@ def interpret_run(case: Case, backend: str, backward: str) -> Callable[[dict], j
             i["k"],
             i["v"],
             **attention_kwargs(case, i),
-            block_q=case.block_q,
-            block_k=case.block_k,
             backend=backend,
             interpret=True,
             backward=backward,
