@@ -1,29 +1,40 @@
 """Fixtures shared by the tests."""
 
+import os
+import shutil
+import tempfile
+
 import jax
 import pytest
 
+_OWNED_CACHE = pytest.StashKey[str]()
 
-@pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-    """Runs of one config compile the same programs: let a module's runs share a persistent
-    cache (`pytestmark = pytest.mark.usefixtures("compilation_cache")`)."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
 
-    names = (
-        "jax_compilation_cache_dir",
+def pytest_configure(config: pytest.Config) -> None:
+    """Many tests compile the same programs (one model, one train step): every test, xdist
+    worker and subprocess of the session shares one persistent compilation cache. The
+    controller makes it before the workers start, and they inherit it with the
+    environment."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bam_jax_xla_cache_")
+        config.stash[_OWNED_CACHE] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update(
         "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
+        float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
     )
-    previous = {name: getattr(jax.config, name) for name in names}
-    values = (str(tmp_path_factory.mktemp("xla_cache")), 0, -1)
-    for name, value in zip(names, values, strict=True):
-        jax.config.update(name, value)
-    cc.reset_cache()
-    yield
-    for name, value in previous.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
+    jax.config.update(
+        "jax_persistent_cache_min_entry_size_bytes",
+        int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
+    )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    owned = config.stash.get(_OWNED_CACHE, None)
+    if owned is not None:
+        shutil.rmtree(owned, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

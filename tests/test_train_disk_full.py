@@ -44,8 +44,6 @@ FAILING_RUN = textwrap.dedent(
     """
 )
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
-
 
 def _command(workdir: str) -> list[str]:
     return [
@@ -65,7 +63,7 @@ def _files(directory: str) -> dict[str, bytes]:
 def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path):
     workdir = str(tmp_path / "run")
     checkpoints = os.path.join(workdir, "checkpoints")
-    env = subprocess_environment(tmp_path)
+    env = subprocess_environment()
     failed = run_bam_train([sys.executable, "-c", FAILING_RUN, *_command(workdir)], env)
     assert failed.returncode == 1, failed.stdout[-2000:] + failed.stderr[-3000:]
     lines = failed.stderr.splitlines()

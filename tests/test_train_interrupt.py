@@ -24,7 +24,7 @@ def _default_sigint() -> None:
 @pytest.mark.slow
 def test_ctrl_c_saves_exits_130_with_one_line_and_the_run_resumes(tmp_path):
     workdir = str(tmp_path / "run")
-    env = subprocess_environment(tmp_path)
+    env = subprocess_environment()
     returncode, stdout, stderr = signalled_run(
         workdir, env, signal.SIGINT, preexec_fn=_default_sigint
     )

@@ -36,9 +36,6 @@ from tests.byte_runs import byte_text_config, write_word_corpus
 STEPS = 12
 
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     return write_word_corpus(tmp_path_factory, 300)

@@ -32,9 +32,6 @@ from tests.run_metrics import records_without_time
 STEPS = 2
 
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     return write_word_corpus(tmp_path_factory, 100)

@@ -18,7 +18,7 @@ from tests.train_runs import (
 @pytest.mark.slow
 def test_sigterm_saves_and_the_run_resumes(tmp_path):
     workdir = str(tmp_path / "run")
-    env = subprocess_environment(tmp_path)
+    env = subprocess_environment()
     returncode, stdout, stderr = signalled_run(workdir, env, signal.SIGTERM)
     output = stdout + stderr
     assert returncode == 0, output[-3000:]

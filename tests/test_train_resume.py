@@ -28,9 +28,6 @@ from tests.run_metrics import records_without_time, tensorboard_scalars
 STEPS = 4
 
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     return write_word_corpus(tmp_path_factory, 200)

@@ -36,15 +36,10 @@ def micro_command(workdir: str, steps: int) -> list[str]:
     ]
 
 
-def subprocess_environment(tmp_path: Path) -> dict[str, str]:
-    """CPU only, this checkout importable, compilations cached under tmp_path."""
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": REPO,
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+def subprocess_environment() -> dict[str, str]:
+    """CPU only, this checkout importable, compilations in the session's shared cache
+    (tests/conftest.py)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
 
 
 def run_bam_train(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
