@@ -46,6 +46,7 @@ from bam_jax.attention_inputs import checked_attention
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.masking import PADDING_SEGMENT, AttentionMask, log_visible_count
 from bam_jax.priors import Prior
+from bam_jax.pytrees import vary_together
 
 DEFAULT_BLOCK = 256
 _NEG_INF = -jnp.inf
@@ -131,6 +132,7 @@ def blockwise_attention(
     bias_table = None
     if prior is not None:
         bias_table = prior.bias(_table_distances(static, padded.k.shape[1], padded.offset))
+    bias_table, scale_KxG, padded = vary_together((bias_table, scale_KxG, padded))
     out = _attention(static, bias_table, scale_KxG, padded)
     return out[:, : query_BxTxHxD.shape[1]]
 
@@ -509,6 +511,7 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
             jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(q_tile.shape, jnp.float32),
         )
+        init = vary_together(init, padded.q)
         lo, hi = static.mask.key_blocks(q_start + offset, bq, bk)
         # Blocks every query of the block sees whole need no mask (bit for bit the same).
         full = static.mask.full_key_blocks_stop(q_start + offset, bk, lo, hi, q_seg is not None)
@@ -524,7 +527,7 @@ def _forward(static: _Static, bias_table, scale, padded: _Padded):
         return out, lse
 
     init = (jnp.zeros(q.shape, q.dtype), jnp.zeros((batch, num_heads, q_len), jnp.float32))
-    return lax.fori_loop(0, num_q_blocks, query_block, init)
+    return lax.fori_loop(0, num_q_blocks, query_block, vary_together(init, q))
 
 
 def _backward(static: _Static, residuals, d_out):
@@ -604,14 +607,14 @@ def _backward(static: _Static, residuals, d_out):
 
         dq, d_table, row_sums = carry
         lo, hi = static.mask.query_blocks(k_start, bk, offset, bq, num_q_blocks)
-        init = (zeros(k_tile), zeros(v_tile), dq, d_table, row_sums)
+        init = vary_together((zeros(k_tile), zeros(v_tile), dq, d_table, row_sums), q)
         dk, dv, dq, d_table, row_sums = lax.fori_loop(lo, hi, query_block, init)
         return (dq, d_table, row_sums), (dk, dv)
 
     row_sums = None
     if scale is not None:
         row_sums = _RowSums(*(jnp.zeros(lse.shape, jnp.float32) for _ in _RowSums._fields))
-    init = (jnp.zeros(q.shape, jnp.float32), zeros(bias_table), row_sums)
+    init = vary_together((jnp.zeros(q.shape, jnp.float32), zeros(bias_table), row_sums), q)
     (dq, d_table, row_sums), (dk_blocks, dv_blocks) = lax.scan(
         key_block, init, jnp.arange(num_k_blocks, dtype=jnp.int32)
     )

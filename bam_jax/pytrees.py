@@ -1,16 +1,18 @@
 """Registers bam_jax's pytree classes for `jax.export` serialisation, so a function that
 takes or returns a prior, a KV cache or layer factors exports, serialises and reloads in a
 process that has imported bam_jax. (`jax.export` serialisation itself needs the
-`flatbuffers` package.)"""
+`flatbuffers` package.) Also: `vary_together`, for code that runs inside `jax.shard_map`."""
 
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from jax import export
+import jax
+from jax import export, lax
 
 T = TypeVar("T", bound=type)
+PyTree = Any
 
 
 def export_serializable(cls: T) -> T:
@@ -31,3 +33,41 @@ def _to_json(auxdata: tuple) -> bytes:
 
 def _from_json(data: bytes) -> tuple:
     return tuple(json.loads(data.decode()))
+
+
+def vary_together(tree: PyTree, *references: PyTree) -> PyTree:
+    """`tree` with every array leaf varying over each mesh axis that a leaf of `tree` or of
+    `references` varies over.
+
+    Inside `jax.shard_map` (with its default `check_vma=True`) a loop's carry must vary
+    over the same mesh axes on entry as after the body has mixed in the sharded inputs,
+    and a custom VJP's cotangents over the same axes as its inputs; casting the inputs and
+    initial carries to their union settles both (transposed, the cast sums a gradient over
+    the axes its input did not vary over). Outside `shard_map` nothing varies and `tree`
+    is returned as it is."""
+    arrays = [x for x in jax.tree.leaves((tree, references)) if isinstance(x, jax.Array)]
+    axes = frozenset().union(*(_varying_axes(x) for x in arrays))
+    if not axes:
+        return tree
+
+    def cast(x):
+        if not isinstance(x, jax.Array):
+            return x
+        missing = tuple(sorted(axes - _varying_axes(x), key=str))
+        return _cast_to_varying(x, missing) if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "mat", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _cast_to_varying(x: jax.Array, axes: tuple) -> jax.Array:
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)
