@@ -26,9 +26,13 @@ recomputed from the saved log-sum-exp in one pass over key blocks (outer) and th
 query blocks that see them (inner), accumulating dq in place. The Pallas kernels'
 custom VJP runs the same backward (`flash_backward`) on their output and log-sum-exp.
 
-Tiles are [I, J, *] with I = B * K (a tile per batch row and key/value head) and J = G * M
-rows (the query block of every query head sharing that key/value head), so every product
-is a plain batched matmul and grouped-query heads share their key tile.
+Tiles are [I, J, *] with I = K (a tile per key/value head) and J = G * M rows (the query
+block of every query head sharing that key/value head), so every product is a plain
+batched matmul and grouped-query heads share their key tile. The batch rows are a vmap
+around the whole computation, forward and backward, never merged with the heads: under a
+mesh that shards batch and heads, XLA keeps both sharded and each device computes its
+own rows and heads, with no collective but the sum of the prior's and the SSMax scales'
+gradients over the batch shards.
 """
 
 from __future__ import annotations
@@ -133,8 +137,51 @@ def blockwise_attention(
     if prior is not None:
         bias_table = prior.bias(_table_distances(static, padded.k.shape[1], padded.offset))
     bias_table, scale_KxG, padded = vary_together((bias_table, scale_KxG, padded))
-    out = _attention(static, bias_table, scale_KxG, padded)
+    out = _per_batch_row(_attention, static, bias_table, scale_KxG, padded)
     return out[:, : query_BxTxHxD.shape[1]]
+
+
+def _per_batch_row(attention, static: _Static, bias_table, scale, padded: _Padded) -> jax.Array:
+    """`attention` vmapped over the batch rows, so that tiles keep the batch apart from
+    the kv heads: under a mesh that shards batch and heads, each device then computes its
+    own rows and heads (tiles of B * K rows would be gathered first)."""
+    axes = _row_axes(padded)
+
+    def one_row(padded_row: _Padded) -> jax.Array:
+        return attention(static, bias_table, scale, _with_batch(padded_row, axes))[0]
+
+    return jax.vmap(one_row, in_axes=(axes,))(padded)
+
+
+def _backward_per_row(static: _Static, residuals, d_out):
+    """`_backward` vmapped over the batch rows (see `_per_batch_row`); the prior's and
+    SSMax's gradients are summed over the rows."""
+    bias_table, scale, padded, out, lse = residuals
+    axes = _row_axes(padded)
+
+    def one_row(padded_row: _Padded, out_row, lse_row, d_out_row):
+        row = (bias_table, scale, _with_batch(padded_row, axes), out_row[None], lse_row[None])
+        dq, dk, dv, d_table, d_scale = _backward(static, row, d_out_row[None])
+        return dq[0], dk[0], dv[0], d_table, d_scale
+
+    dq, dk, dv, d_table, d_scale = jax.vmap(one_row, in_axes=(axes, 0, 0, 0))(
+        padded, out, lse, d_out
+    )
+    d_table, d_scale = jax.tree.map(lambda x: jnp.sum(x, axis=0), (d_table, d_scale))
+    return dq, dk, dv, d_table, d_scale
+
+
+def _row_axes(padded: _Padded) -> _Padded:
+    """vmap axes of the padded inputs: 0 for arrays with a batch axis, None for the offset
+    and for SSMax counts shared by the rows ([1, T])."""
+    batch = padded.q.shape[0]
+    axes = jax.tree.map(lambda x: 0 if x.ndim and x.shape[0] == batch else None, padded)
+    return axes._replace(offset=None)
+
+
+def _with_batch(padded_row: _Padded, axes: _Padded) -> _Padded:
+    """One row's inputs with their batch axis (of 1) restored."""
+    return jax.tree.map(lambda x, axis: x if axis is None else x[None], padded_row, axes)
 
 
 def window_keys(
@@ -219,7 +266,7 @@ def flash_backward(
     if prior is not None:
         distances = _table_distances(static, padded.k.shape[1], padded.offset)
         bias_table, table_vjp = jax.vjp(lambda p: p.bias(distances), prior)
-    dq, dk, dv, d_table, d_scale = _backward(
+    dq, dk, dv, d_table, d_scale = _backward_per_row(
         static, (bias_table, scale_KxG, padded, out, lse), d_out
     )
     d_prior = None if prior is None else table_vjp(d_table)[0]

@@ -1,0 +1,139 @@
+"""Attention under jit on arrays sharded by NamedSharding, as a user's model shards them: q, k
+and v split by batch and heads over a 2 x 2 mesh (grouped-query heads, documents, SSMax, a
+GGD prior with a negative shape, a length that is no multiple of the tiles). The compiled
+forward holds no collective and returns the output sharded like q; the compiled gradient's
+only collectives are the all-reduces that sum the prior's and the SSMax scales' gradients
+over the batch shards, and dq, dk, dv come back sharded like q, k, v. Values and gradients
+match the unsharded reference. Run in a subprocess on 4 fake CPU devices (the device count
+is fixed when jax starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.cpu_compiler import HAS_COMPILER
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHECK = """
+import json, re, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import bam_jax
+from bam_jax.priors import GGDPrior
+
+mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+B, T, H, K, D = 4, 150, 4, 2, 8
+rng = np.random.default_rng(0)
+HEADS = NamedSharding(mesh, P("data", None, "model", None))
+ROWS = NamedSharding(mesh, P("data", None))
+q = jax.device_put(jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32), HEADS)
+k, v = (jax.device_put(jnp.asarray(rng.normal(size=(B, T, K, D)), jnp.float32), HEADS) for _ in "kv")
+segments = jax.device_put(
+    jnp.asarray(np.minimum(np.arange(T) // 61, 2)[None].repeat(B, 0), jnp.int32), ROWS
+)
+prior = GGDPrior(
+    theta_alpha_H=jnp.log(jnp.asarray([0.1, 0.2, 0.3, 0.5])),
+    theta_beta_H=jnp.asarray([-0.6, 0.4, 1.0, 1.7]),
+    theta_mu_H=jnp.zeros(H),
+)
+ssmax = jnp.asarray(rng.uniform(0.5, 1.5, H), jnp.float32)
+weights = jax.device_put(jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32), HEADS)
+COLLECTIVE = re.compile(r"= (\\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)")
+
+
+def attention(implementation, q, k, v, prior, ssmax):
+    return bam_jax.dot_product_attention(
+        q, k, v, prior=prior, ssmax_scale_H=ssmax,
+        query_segment_ids_BxT=segments, key_segment_ids_BxS=segments,
+        implementation=implementation, block_q=64, block_k=64,
+    )
+
+
+def loss(implementation):
+    return lambda *args: jnp.sum(attention(implementation, *args) * weights)
+
+
+def collectives(compiled):
+    return [(kind, shape) for shape, kind in COLLECTIVE.findall(compiled.as_text())]
+
+
+def relative_error(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def check(implementation):
+    args = (q, k, v, prior, ssmax)
+    forward = jax.jit(lambda *a: attention(implementation, *a)).lower(*args).compile()
+    gradient = jax.jit(jax.grad(loss(implementation), argnums=(0, 1, 2, 3, 4)))
+    compiled_gradient = gradient.lower(*args).compile()
+    grads = gradient(*args)
+    expected = jax.grad(loss("reference"), argnums=(0, 1, 2, 3, 4))(*args)
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True)
+    return {
+        "forward_collectives": collectives(forward),
+        "output_like_q": forward.output_shardings.is_equivalent_to(HEADS, 4),
+        "gradient_collectives": collectives(compiled_gradient),
+        "dqkv_like_inputs": [g.sharding.is_equivalent_to(HEADS, 4) for g in grads[:3]],
+        "value_error": relative_error(forward(*args), attention("reference", *args)),
+        "grad_errors": [relative_error(a, b) for a, b in pairs],
+    }
+
+
+print("RESULT" + json.dumps({name: check(name) for name in sys.argv[1:]}))
+"""
+
+IMPLEMENTATIONS = ("blockwise", "fused") if HAS_COMPILER else ("blockwise",)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": REPO,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK, *IMPLEMENTATIONS],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_forward_computes_per_shard(results, implementation):
+    result = results[implementation]
+    assert result["forward_collectives"] == [], result["forward_collectives"]
+    assert result["output_like_q"]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_gradient_only_sums_the_head_parameters_over_batch_shards(results, implementation):
+    result = results[implementation]
+    kinds = {kind for kind, _ in result["gradient_collectives"]}
+    assert kinds <= {"all-reduce"}, result["gradient_collectives"]
+    # What is reduced is per-head: [heads, ...] of a shard's two heads, never q-sized.
+    for _, shape in result["gradient_collectives"]:
+        dims = [int(n) for n in shape.split("[", 1)[1].split("]", 1)[0].split(",") if n]
+        assert int(np.prod(dims)) < 4 * 150 * 4 * 8 // 4, shape
+    assert all(result["dqkv_like_inputs"])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_sharded_values_and_gradients_match_the_reference(results, implementation):
+    result = results[implementation]
+    assert result["value_error"] < 1e-5, result
+    np.testing.assert_array_less(result["grad_errors"], 1e-5)
