@@ -34,7 +34,9 @@ rng = np.random.default_rng(0)
 HEADS = NamedSharding(mesh, P("data", None, "model", None))
 ROWS = NamedSharding(mesh, P("data", None))
 q = jax.device_put(jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32), HEADS)
-k, v = (jax.device_put(jnp.asarray(rng.normal(size=(B, T, K, D)), jnp.float32), HEADS) for _ in "kv")
+k, v = (
+    jax.device_put(jnp.asarray(rng.normal(size=(B, T, K, D)), jnp.float32), HEADS) for _ in "kv"
+)
 segments = jax.device_put(
     jnp.asarray(np.minimum(np.arange(T) // 61, 2)[None].repeat(B, 0), jnp.int32), ROWS
 )
@@ -45,7 +47,8 @@ prior = GGDPrior(
 )
 ssmax = jnp.asarray(rng.uniform(0.5, 1.5, H), jnp.float32)
 weights = jax.device_put(jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32), HEADS)
-COLLECTIVE = re.compile(r"= (\\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)")
+KINDS = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
+COLLECTIVE = re.compile(r"= (\\S+) (" + KINDS + ")")
 
 
 def attention(implementation, q, k, v, prior, ssmax):
