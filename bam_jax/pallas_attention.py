@@ -60,6 +60,11 @@ from bam_jax.kernels import cpu
 from bam_jax.kernels.cpu import CPU_BLOCK_K, CPU_BLOCK_Q, cpu_forward
 from bam_jax.kernels.gpu import gpu_defaults, gpu_forward
 from bam_jax.kernels.gpu_backward import fused_gpu_backward
+from bam_jax.kernels.partitioning import (
+    FORWARD_OPERAND_ROLES,
+    FORWARD_RESULT_ROLES,
+    partitioned_by_batch_and_heads,
+)
 from bam_jax.kernels.tile_math import (
     BETA,
     COEF,
@@ -84,6 +89,16 @@ GPU_MIN_BLOCK = 16  # tensor-core dots need both tile sides >= 16
 TPU_LANES = 128
 BACKWARD_BLOCK = 512
 Backward = Literal["fused", "blockwise"]
+# The fused backward's operands (q, k, v, head params, log_n, q segments, k segments,
+# offset, output, log-sum-exp, output cotangent) and results (dq, dk, dv, the head
+# parameters' gradient by batch row), for bam_jax.kernels.partitioning.
+BACKWARD_OPERAND_ROLES = (
+    *FORWARD_OPERAND_ROLES[:3],
+    *FORWARD_OPERAND_ROLES[4:],
+    *FORWARD_RESULT_ROLES,
+    FORWARD_RESULT_ROLES[0],
+)
+BACKWARD_RESULT_ROLES = (*FORWARD_OPERAND_ROLES[:3], ("batch", "heads", None))
 
 
 TPU_DEFAULT_BLOCK_Q = 256
@@ -106,6 +121,9 @@ class FusedBackend:
     pads_head_dim: bool = False  # the head dim is padded to a power of two
     min_queries: int = 0  # calls of fewer queries run blockwise attention (the same function)
     reads_window_only: bool = False  # a local layer over a long cache reads its window only
+    # Its interpret mode runs callbacks, which a partitioning rule cannot hold: interpreted,
+    # it runs unpartitioned (gathered under a mesh).
+    interpret_has_callbacks: bool = False
 
 
 @checked_attention
@@ -309,7 +327,7 @@ FUSED_BACKENDS: dict[str, FusedBackend] = {
         prior_reuse=True,
         pads_head_dim=True,
     ),
-    "tpu": FusedBackend("tpu", _tpu_blocks, pallas=True),
+    "tpu": FusedBackend("tpu", _tpu_blocks, pallas=True, interpret_has_callbacks=True),
     # The native kernel has no per-element transcendental path, so it reads the prior's
     # table; decode steps (fewer than CPU_MIN_QUERIES queries) run blockwise attention,
     # which does not compute whole 64-query blocks.
@@ -386,10 +404,8 @@ def _head_param_columns(
 
 def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs):
     """Output [B, T, H, D] and log-sum-exp [B, H, T] (natural log, +inf for empty rows)."""
-    _, q_len, num_heads, head_dim = q.shape
-    head_params = _head_params(config, prior, ssmax_scale_H, num_heads)
-    fused = FUSED_BACKENDS[config.backend]
-    if not fused.pallas:
+    head_params = _head_params(config, prior, ssmax_scale_H, q.shape[2])
+    if not FUSED_BACKENDS[config.backend].pallas:
         out, lse = cpu_forward(
             config,
             q,
@@ -403,21 +419,49 @@ def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
             aux.prior_table_HxX,
         )
         return out.astype(q.dtype), lse
+    f32, i32 = jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.int32)
+    present = (aux.prior_table_HxX, head_params, aux.log_n_BxT, aux.q_seg_BxT, aux.k_seg_BxS)
+    placeholders = (f32, None, f32, i32, i32)
+    optional = (p if x is None else x for x, p in zip(present, placeholders, strict=True))
+    forward = functools.partial(_pallas_forward, config)
+    if not (config.interpret and FUSED_BACKENDS[config.backend].interpret_has_callbacks):
+        forward = partitioned_by_batch_and_heads(
+            forward, FORWARD_OPERAND_ROLES, FORWARD_RESULT_ROLES
+        )
+    return forward(q, k, v, *optional, aux.offset_1)
+
+
+def _pallas_forward(
+    config: KernelConfig,
+    q_BxTxHxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    table_HxX,
+    head_params_HxP,
+    log_n_BxT,
+    q_seg_BxT,
+    k_seg_BxS,
+    offset_1,
+):
+    """The Pallas forward on one shard's arrays (operands in FORWARD_OPERAND_ROLES' order;
+    those that `config` does without are placeholders): output [B, T, H, D] and
+    log-sum-exp [B, H, T]."""
+    fused = FUSED_BACKENDS[config.backend]
+    _, q_len, _, head_dim = q_BxTxHxD.shape
     q_pad, kv_pad = config.padded_q_len, config.padded_kv_len
     d_pad = pl.next_power_of_2(head_dim) if fused.pads_head_dim else head_dim
-    q_p = pad_to(pad_to(q, 1, q_pad), 3, d_pad)
-    k_p = pad_to(pad_to(k, 1, kv_pad), 3, d_pad)
-    v_p = pad_to(pad_to(v, 1, kv_pad), 3, d_pad)
+    q_p = pad_to(pad_to(q_BxTxHxD, 1, q_pad), 3, d_pad)
+    k_p = pad_to(pad_to(k_BxSxKxD, 1, kv_pad), 3, d_pad)
+    v_p = pad_to(pad_to(v_BxSxKxD, 1, kv_pad), 3, d_pad)
     log_n = q_seg = k_seg = None
     if config.ssmax:
-        log_n = pad_to(aux.log_n_BxT, 1, q_pad)[..., None]
+        log_n = pad_to(log_n_BxT, 1, q_pad)[..., None]
     if config.segments:
-        q_seg = pad_to(aux.q_seg_BxT.astype(jnp.int32), 1, q_pad, -1)[..., None]
-        k_seg = pad_to(aux.k_seg_BxS.astype(jnp.int32), 1, kv_pad, -1)[:, None, :]
+        q_seg = pad_to(q_seg_BxT.astype(jnp.int32), 1, q_pad, -1)[..., None]
+        k_seg = pad_to(k_seg_BxS.astype(jnp.int32), 1, kv_pad, -1)[:, None, :]
+    table = table_HxX if config.prior_table else None
     run = {"gpu": gpu_forward, "tpu": tpu_forward}[config.backend]
-    out, lse = run(
-        config, q_p, k_p, v_p, head_params, log_n, q_seg, k_seg, aux.offset_1, aux.prior_table_HxX
-    )
+    out, lse = run(config, q_p, k_p, v_p, head_params_HxP, log_n, q_seg, k_seg, offset_1, table)
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len, 0]
 
 
@@ -470,11 +514,34 @@ def _fused_backward(config: KernelConfig, residuals, d_out):
     head_params, params_vjp = jax.vjp(
         functools.partial(_head_param_columns, config, num_heads=q.shape[2]), prior, ssmax_scale_H
     )
-    dq, dk, dv, d_head_params = fused_gpu_backward(
-        config, head_params, q, k, v, aux, out, lse, d_out
+    f32, i32 = jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.int32)
+    optional = (aux.log_n_BxT, aux.q_seg_BxT, aux.k_seg_BxS)
+    placeholders = (f32, i32, i32)
+    rows = (p if x is None else x for x, p in zip(optional, placeholders, strict=True))
+    backward = partitioned_by_batch_and_heads(
+        functools.partial(_gpu_backward_shard, config),
+        BACKWARD_OPERAND_ROLES,
+        BACKWARD_RESULT_ROLES,
     )
-    d_prior, d_scale = params_vjp(d_head_params)
+    dq, dk, dv, d_head_params_BxHxP = backward(
+        q, k, v, head_params, *rows, aux.offset_1, out, lse, d_out
+    )
+    d_prior, d_scale = params_vjp(jnp.sum(d_head_params_BxHxP, axis=0))
     return dq, dk, dv, d_prior, d_scale
+
+
+def _gpu_backward_shard(
+    config: KernelConfig, q, k, v, head_params, log_n_BxT, q_seg_BxT, k_seg_BxS, offset_1, *rest
+):
+    """The Triton backward on one shard's arrays (BACKWARD_OPERAND_ROLES' order): dq, dk,
+    dv and the head parameters' gradient by batch row [B, H, P], which the caller sums."""
+    aux = AuxInputs(
+        log_n_BxT if config.ssmax else None,
+        q_seg_BxT if config.segments else None,
+        k_seg_BxS if config.segments else None,
+        offset_1,
+    )
+    return fused_gpu_backward(config, head_params, q, k, v, aux, *rest)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,6 +1,8 @@
 """Attention under jit on arrays sharded by NamedSharding, as a user's model shards them: q, k
 and v split by batch and heads over a 2 x 2 mesh (grouped-query heads, documents, SSMax, a
-GGD prior with a negative shape, a length that is no multiple of the tiles). The compiled
+GGD prior with a negative shape, a length that is no multiple of the tiles), for blockwise
+attention, the native CPU kernel and the Pallas GPU kernel (interpret mode, with its Triton
+backward). The compiled
 forward holds no collective and returns the output sharded like q; the compiled gradient's
 only collectives are the all-reduces that sum the prior's and the SSMax scales' gradients
 over the batch shards, and dq, dk, dv come back sharded like q, k, v. Values and gradients
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -26,7 +29,12 @@ import json, re, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import bam_jax
+from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import GGDPrior
+
+# The Pallas GPU kernel in interpret mode, forward and Triton backward (the TPU kernel's
+# interpret mode runs callbacks, which a partitioning rule cannot hold).
+PALLAS = {"gpu_interpret": ("gpu", "fused")}
 
 mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 B, T, H, K, D = 4, 150, 4, 2, 8
@@ -48,15 +56,22 @@ prior = GGDPrior(
 ssmax = jnp.asarray(rng.uniform(0.5, 1.5, H), jnp.float32)
 weights = jax.device_put(jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32), HEADS)
 KINDS = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
-COLLECTIVE = re.compile(r"= (\\S+) (" + KINDS + ")")
+COLLECTIVE = re.compile(r"= (\\S[^=]*?) (" + KINDS + ")(?:-start)?\\(")
 
 
 def attention(implementation, q, k, v, prior, ssmax):
-    return bam_jax.dot_product_attention(
-        q, k, v, prior=prior, ssmax_scale_H=ssmax,
+    arrays = dict(
+        prior=prior, ssmax_scale_H=ssmax, ssmax_max_count=None, query_offset=0,
         query_segment_ids_BxT=segments, key_segment_ids_BxS=segments,
-        implementation=implementation, block_q=64, block_k=64,
     )
+    if implementation in PALLAS:
+        backend, backward = PALLAS[implementation]
+        spec = bam_jax.AttentionSpec(block_q=32, block_k=32)
+        return pallas_attention(
+            q, k, v, spec, **arrays, backend=backend, interpret=True, backward=backward
+        )
+    spec = bam_jax.AttentionSpec(implementation=implementation, block_q=64, block_k=64)
+    return bam_jax.dot_product_attention(q, k, v, spec, **arrays)
 
 
 def loss(implementation):
@@ -93,7 +108,8 @@ def check(implementation):
 print("RESULT" + json.dumps({name: check(name) for name in sys.argv[1:]}))
 """
 
-IMPLEMENTATIONS = ("blockwise", "fused") if HAS_COMPILER else ("blockwise",)
+# "fused" is the native CPU kernel here; the Pallas kernels run in interpret mode.
+IMPLEMENTATIONS = ("blockwise", "gpu_interpret") + (("fused",) if HAS_COMPILER else ())
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +144,11 @@ def test_the_gradient_only_sums_the_head_parameters_over_batch_shards(results, i
     result = results[implementation]
     kinds = {kind for kind, _ in result["gradient_collectives"]}
     assert kinds <= {"all-reduce"}, result["gradient_collectives"]
-    # What is reduced is per-head: [heads, ...] of a shard's two heads, never q-sized.
-    for _, shape in result["gradient_collectives"]:
-        dims = [int(n) for n in shape.split("[", 1)[1].split("]", 1)[0].split(",") if n]
-        assert int(np.prod(dims)) < 4 * 150 * 4 * 8 // 4, shape
+    # What is reduced is per-head (a shard's two heads), never as large as q's shard.
+    for _, shapes in result["gradient_collectives"]:
+        for dims in re.findall(r"\[([\d,]*)\]", shapes):
+            size = int(np.prod([int(n) for n in dims.split(",") if n]))
+            assert size < 4 * 150 * 4 * 8 // 4, shapes
     assert all(result["dqkv_like_inputs"])
 
 

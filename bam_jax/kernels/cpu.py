@@ -43,7 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bam_jax.kernels.cpu_sharding import partitioned_by_batch_and_heads
+from bam_jax.kernels.partitioning import (
+    FORWARD_OPERAND_ROLES,
+    FORWARD_RESULT_ROLES,
+    partitioned_by_batch_and_heads,
+)
 from bam_jax.kernels.tile_math import KernelConfig
 
 CPU_BLOCK_Q = 64
@@ -162,7 +166,9 @@ def cpu_forward(
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     qkv = functools.partial(jnp.asarray, dtype=_input_dtype(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD))
     mask = config.mask
-    return partitioned_by_batch_and_heads(_kernel_call)(
+    return partitioned_by_batch_and_heads(
+        _kernel_call, FORWARD_OPERAND_ROLES, FORWARD_RESULT_ROLES
+    )(
         qkv(q_BxTxHxD),
         qkv(k_BxSxKxD),
         qkv(v_BxSxKxD),

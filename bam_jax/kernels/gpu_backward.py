@@ -88,8 +88,8 @@ def fused_gpu_backward(
     lse_BxHxT: jax.Array,
     d_out_BxTxHxD: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """dq, dk, dv (the inputs' dtypes) and the gradient of `head_params_Hx8` (float32),
-    from the forward's output and natural-log log-sum-exp."""
+    """dq, dk, dv (the inputs' dtypes) and the gradient of `head_params_Hx8` (float32) by
+    batch row, [B, H, 8], from the forward's output and natural-log log-sum-exp."""
     batch, q_len, _, head_dim = q_BxTxHxD.shape
     kv_len = k_BxSxKxD.shape[1]
     q_pad, kv_pad = config.padded_q_len, config.padded_kv_len
@@ -112,7 +112,7 @@ def fused_gpu_backward(
         dq[:, :q_len, :, :head_dim],
         dk.astype(k_BxSxKxD.dtype),
         dv.astype(v_BxSxKxD.dtype),
-        jnp.sum(d_params_QxBxHx8, axis=(0, 1)),
+        jnp.sum(d_params_QxBxHx8, axis=0),
     )
 
 

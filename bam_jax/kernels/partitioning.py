@@ -1,21 +1,24 @@
-"""The CPU kernel's partitioning rule: under a mesh each device computes its own shard.
+"""The fused kernels' partitioning rule: under a mesh each device computes its own shard.
 
-The kernel computes every (batch row, kv head) on its own, and query head h reads kv head
+A kernel computes every (batch row, kv head) on its own, and query head h reads kv head
 h // groups, so a slice of the batch together with a slice of the kv heads and their groups
-of query heads is a whole problem. Without a rule XLA gathers the custom call's operands
-and every device computes everything. With this one (`jax.experimental.custom_partitioning`,
-with a Shardy sharding rule and the GSPMD callbacks):
+of query heads is a whole problem. Without a rule XLA gathers a custom call's (or a Pallas
+call's) operands and every device computes everything. With this one
+(`jax.experimental.custom_partitioning`, with a Shardy sharding rule and the GSPMD
+callbacks), given the role of each operand's and result's dimensions:
 
-- the batch of q, k, v, log_n, the segment ids, the output and the log-sum-exp is sharded
-  over the mesh axes that q's batch is sharded over;
-- the kv heads of k and v, the query heads of q, the per-head parameters, the prior table,
-  the output and the log-sum-exp are sharded over the axes of q's heads, when those divide
-  the kv heads (shard i of the query heads is then the groups of shard i of the kv heads);
-  with a single kv head the query heads alone are sharded and k and v are whole;
-- every other dimension (sequence, head dim, the table's distances, the offset, heads that
+- the dimensions with the role "batch" are sharded over the mesh axes that q's batch is
+  sharded over (q is the first operand, k the second);
+- the kv heads ("kv_heads") and the query heads ("heads") over the axes of q's heads, when
+  those divide the kv heads (shard i of the query heads is then the groups of shard i of
+  the kv heads); with a single kv head the query heads alone are sharded and k and v are
+  whole;
+- every other dimension (sequence, head dim, a table's distances, the offset, heads that
   the kv heads cannot follow) is computed whole: an operand sharded there is gathered.
 
-Under vmap the kernel runs one call per vmapped index, without the rule.
+A result that sums over the batch (a parameter's gradient) must keep a batch dimension
+for the caller to sum: the kernel then holds no collective. Under vmap the kernel runs
+one call per vmapped index, without the rule.
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ from jax.experimental.custom_partitioning import (
 )
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-Kernel = Callable[..., tuple[jax.Array, jax.Array]]
+Kernel = Callable[..., tuple[jax.Array, ...]]
 Role = Literal["batch", "heads", "kv_heads"] | None
+Roles = tuple[tuple[Role, ...], ...]
 
-# The roles of each operand's dimensions, in the custom call's order (q, k, v, prior table,
-# head params, log_n, q segments, k segments, offset). None: computed whole. A dimension
-# whose size is not its role's (a [1, 1] placeholder for an absent input) is computed whole.
-OPERAND_ROLES: tuple[tuple[Role, ...], ...] = (
+# A fused forward's operands, in the order every backend takes them (q, k, v, prior table
+# [H, X], head params [H, P], log_n [B, T], q segments [B, T], k segments [B, S], offset
+# [1]), and its results (the output [B, T, H, D], the log-sum-exp [B, H, T]).
+FORWARD_OPERAND_ROLES: Roles = (
     ("batch", None, "heads", None),
     ("batch", None, "kv_heads", None),
     ("batch", None, "kv_heads", None),
@@ -52,32 +56,33 @@ OPERAND_ROLES: tuple[tuple[Role, ...], ...] = (
     ("batch", None),
     (None,),
 )
-RESULT_ROLES: tuple[tuple[Role, ...], ...] = (
-    ("batch", None, "heads", None),
-    ("batch", "heads", None),
-)
+FORWARD_RESULT_ROLES: Roles = (("batch", None, "heads", None), ("batch", "heads", None))
 
 
-def partitioned_by_batch_and_heads(kernel: Kernel) -> Kernel:
+def partitioned_by_batch_and_heads(
+    kernel: Kernel, operand_roles: Roles, result_roles: Roles
+) -> Kernel:
     """`kernel(*operands, **attributes)` with the partitioning rule above; `kernel` builds
-    its custom call for the shapes it is given (the per-device shard's)."""
+    its call for the shapes it is given (the per-device shard's). `operand_roles` and
+    `result_roles` give each dimension's role (None: computed whole); an operand dimension
+    whose size is not its role's (a [1, 1] placeholder for an absent input) is whole."""
 
-    def call(*operands: jax.Array, **attributes: Any) -> tuple[jax.Array, jax.Array]:
+    def call(*operands: jax.Array, **attributes: Any) -> tuple[jax.Array, ...]:
         sizes = _role_sizes(operands[0].shape, operands[1].shape)
-        operand_roles = _fitted_roles(OPERAND_ROLES, [x.shape for x in operands], sizes)
+        fitted = _fitted_roles(operand_roles, [x.shape for x in operands], sizes)
         local = functools.partial(kernel, **attributes)
         partitioned = custom_partitioning(local)
         partitioned.def_partition(
-            partition=functools.partial(_partition, local, operand_roles, sizes),
-            infer_sharding_from_operands=functools.partial(_result_shardings, sizes),
-            sharding_rule=_sharding_rule(operand_roles, sizes),
+            partition=functools.partial(_partition, local, fitted, result_roles, sizes),
+            infer_sharding_from_operands=functools.partial(_result_shardings, result_roles, sizes),
+            sharding_rule=_sharding_rule(fitted, result_roles, sizes),
         )
-        return _sequential_under_vmap(partitioned, local)(*operands)
+        return _sequential_under_vmap(partitioned, local, len(result_roles))(*operands)
 
     return call
 
 
-def _sequential_under_vmap(partitioned: Kernel, local: Kernel) -> Kernel:
+def _sequential_under_vmap(partitioned: Kernel, local: Kernel, num_results: int) -> Kernel:
     """custom_partitioning has no batching rule: vmap runs the kernel's own (sequential)."""
     wrapped = jax.custom_batching.custom_vmap(partitioned)
 
@@ -85,7 +90,7 @@ def _sequential_under_vmap(partitioned: Kernel, local: Kernel) -> Kernel:
     def _vmapped(axis_size: int, in_batched: Sequence[bool], *operands: jax.Array):
         del axis_size
         in_axes = [0 if batched else None for batched in in_batched]
-        return jax.vmap(local, in_axes=in_axes)(*operands), (True, True)
+        return jax.vmap(local, in_axes=in_axes)(*operands), (True,) * num_results
 
     return wrapped
 
@@ -94,9 +99,7 @@ def _role_sizes(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> dict[str,
     return {"batch": q_shape[0], "heads": q_shape[2], "kv_heads": k_shape[2]}
 
 
-def _fitted_roles(
-    roles: Sequence[tuple[Role, ...]], shapes: Sequence[tuple[int, ...]], sizes: dict[str, int]
-) -> tuple[tuple[Role, ...], ...]:
+def _fitted_roles(roles: Roles, shapes: Sequence[tuple[int, ...]], sizes: dict[str, int]) -> Roles:
     return tuple(
         tuple(
             role if role and size == sizes[role] else None for role, size in zip(r, s, strict=True)
@@ -105,7 +108,7 @@ def _fitted_roles(
     )
 
 
-def _sharding_rule(operand_roles: tuple[tuple[Role, ...], ...], sizes: dict[str, int]):
+def _sharding_rule(operand_roles: Roles, result_roles: Roles, sizes: dict[str, int]):
     """Factors b (batch), k (kv heads) and g (query heads per kv head: a query head is the
     compound (k g), or k or g alone where the other is 1); every other dimension has its
     own factor. Those and a compound's g must be whole (listed in order of first use, as
@@ -131,14 +134,15 @@ def _sharding_rule(operand_roles: tuple[tuple[Role, ...], ...], sizes: dict[str,
         return ArrayMapping(*(factor(role, f"{name}_{dim}") for dim, role in enumerate(roles)))
 
     operands = tuple(mapping(r, f"operand{i}") for i, r in enumerate(operand_roles))
-    results = tuple(mapping(r, f"result{i}") for i, r in enumerate(RESULT_ROLES))
+    results = tuple(mapping(r, f"result{i}") for i, r in enumerate(result_roles))
     group_size = {"g": groups} if isinstance(heads, CompoundFactor) else {}
     return SdyShardingRule(operands, results, need_replication_factors=tuple(whole), **group_size)
 
 
 def _partition(
     local: Kernel,
-    operand_roles: tuple[tuple[Role, ...], ...],
+    operand_roles: Roles,
+    result_roles: Roles,
     sizes: dict[str, int],
     mesh: Mesh,
     arg_shapes: Sequence[jax.ShapeDtypeStruct],
@@ -147,16 +151,20 @@ def _partition(
     del result_shape
     mesh, axes = _plan(mesh, arg_shapes[0].sharding, sizes)
     arg_shardings = tuple(_sharding(mesh, roles, axes) for roles in operand_roles)
-    result_shardings = tuple(_sharding(mesh, roles, axes) for roles in RESULT_ROLES)
+    result_shardings = tuple(_sharding(mesh, roles, axes) for roles in result_roles)
     return mesh, local, result_shardings, arg_shardings
 
 
 def _result_shardings(
-    sizes: dict[str, int], mesh: Mesh, arg_shapes: Sequence[jax.ShapeDtypeStruct], shape: Any
+    result_roles: Roles,
+    sizes: dict[str, int],
+    mesh: Mesh,
+    arg_shapes: Sequence[jax.ShapeDtypeStruct],
+    shape: Any,
 ) -> tuple[NamedSharding, ...]:
     del shape
     mesh, axes = _plan(mesh, arg_shapes[0].sharding, sizes)
-    return tuple(_sharding(mesh, roles, axes) for roles in RESULT_ROLES)
+    return tuple(_sharding(mesh, roles, axes) for roles in result_roles)
 
 
 def _plan(
