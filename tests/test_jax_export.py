@@ -1,5 +1,6 @@
 """Functions over bam_jax's pytrees export with jax.export, serialise, and reload in a fresh
-process that has imported bam_jax."""
+process that has imported bam_jax; blockwise attention exports, the native CPU kernel is
+refused at export time."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import export
 
+import bam_jax
 from bam_jax import GGDPrior, KVCache, alibi_prior
+from bam_jax.kernels.cpu import TARGET_NAME
+from tests.cpu_compiler import needs_compiler
 
 
 def dilated_bias(prior, distance_D):
@@ -59,3 +64,19 @@ def test_a_serialised_function_reloads_in_a_fresh_process(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "3"
+
+
+@needs_compiler
+def test_exporting_the_native_cpu_kernel_is_refused_and_blockwise_exports():
+    q_BxTxHxD = jnp.ones((1, 128, 2, 8))
+
+    def attention(implementation):
+        return jax.jit(
+            lambda q: bam_jax.dot_product_attention(q, q, q, implementation=implementation)
+        )
+
+    with pytest.raises(ValueError, match=f"(?s)custom calls.*{TARGET_NAME}"):
+        export.export(attention("fused"))(q_BxTxHxD)
+    exported = export.export(attention("blockwise"))(q_BxTxHxD)
+    reloaded = export.deserialize(exported.serialize())
+    np.testing.assert_array_equal(reloaded.call(q_BxTxHxD), attention("blockwise")(q_BxTxHxD))
