@@ -1,4 +1,5 @@
-"""The examples under examples/ run as a user runs them and show what they say."""
+"""The examples under examples/ run as a user runs them and show what they say (slow: the
+default suite runs the same calls in tests/test_library_doc.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_own_decoders_train_their_priors_on_four_devices():
     env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
     proc = subprocess.run(
