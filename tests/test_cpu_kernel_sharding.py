@@ -8,10 +8,6 @@ under vmap the kernel runs per index.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -21,8 +17,7 @@ import pytest
 
 from bam_jax.pallas_attention import pallas_attention
 from tests.cpu_compiler import needs_compiler
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.host_devices import host_devices_result
 
 pytestmark = needs_compiler
 
@@ -147,25 +142,9 @@ print("RESULT" + json.dumps(results))
 
 
 def _run_checks(names: tuple[str, ...], kernel_cache: str, shardy: bool = True) -> dict:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "JAX_USE_SHARDY_PARTITIONER": str(shardy).lower(),
-        "BAM_JAX_KERNEL_CACHE": kernel_cache,
-        "PYTHONPATH": REPO,
-    }
     code = textwrap.dedent(CASES) + CHECK.format(collectives=COLLECTIVES)
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *names],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1])
+    env = {"JAX_USE_SHARDY_PARTITIONER": str(shardy).lower(), "BAM_JAX_KERNEL_CACHE": kernel_cache}
+    return host_devices_result(code, *names, env=env)
 
 
 @pytest.fixture(scope="module")

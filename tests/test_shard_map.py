@@ -6,17 +6,11 @@ when jax starts)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from tests.cpu_compiler import HAS_COMPILER
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.host_devices import host_devices_result
 
 CHECK = """
 import json, sys
@@ -101,22 +95,7 @@ IMPLEMENTATIONS = ("blockwise", "fused") if HAS_COMPILER else ("blockwise",)
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": REPO,
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK, *IMPLEMENTATIONS],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1])
+    return host_devices_result(CHECK, *IMPLEMENTATIONS)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
