@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec
 
 from bam_configs.training import MeshConfig
 from bam_train.sharding import logical_to_spec, make_mesh
+from tests.host_devices import host_devices_result, run_on_host_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,30 +70,9 @@ print("RESULT" + json.dumps(result))
 """
 
 
-def _run_python(code: str, devices: int, timeout: int = 600, extra_env=None) -> str:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": REPO,
-        **(extra_env or {}),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
 @pytest.mark.slow
 def test_meshes_give_the_same_losses_as_one_device():
-    out = _run_python(EQUIVALENCE, devices=8)
-    result = json.loads(out.split("RESULT", 1)[1])
+    result = host_devices_result(textwrap.dedent(EQUIVALENCE), devices=8, timeout=600)
     reference = np.asarray(result.pop("1,1,1"))
     assert len(reference) == 3 and np.all(np.isfinite(reference))
     for mesh, losses in result.items():
@@ -177,4 +157,6 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
         print("RESTORED", len(params[0]))
     """
-    assert "RESTORED" in _run_python(compare, devices=1)
+    assert (
+        "RESTORED" in run_on_host_devices(textwrap.dedent(compare), devices=1, timeout=600).stdout
+    )
