@@ -12,7 +12,7 @@ Shape suffixes. Array names end in their shape, letters joined by "x"
     D  head dimension                  N  key block (tile columns)
     R  rotary frequencies (D / 2)      P  positions scored per row
     X  distances of a prior table      W  windows of a row
-    A  micro-batches of a train step   I  tile batch, B * K (blockwise)
+    A  micro-batches of a train step   I  tile batch, K (blockwise, per batch row)
     J  grouped tile rows, G * M (blockwise)
 
 Digits are literal sizes (`log_n_Bx1xT`, `head_params_Hx8`).
