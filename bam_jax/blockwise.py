@@ -409,16 +409,19 @@ def _toeplitz(vec_HxX: jax.Array, rows: int, cols: int) -> jax.Array:
 def _diagonal_sums(x_HxMxN: jax.Array) -> jax.Array:
     """Transpose of `_toeplitz`: g[h, r] = sum_i x[h, i, r - (M - 1) + i], [H, M + N - 1].
 
-    Row i is placed at column offset M - 1 in a row of width w (a power of two); read
-    back with row stride w + 1, each diagonal becomes a column, summed over rows.
-    Autodiff's transpose of the expansion divides by p - 1 instead, a much slower form.
+    Row i belongs at column offset M - 1 - i. Rows are added in pairs, the upper one one
+    step to the right, and the pairs' sums then belong two steps apart: log2(M) halvings,
+    each one elementwise pass over half the rows before it.
     """
-    heads, rows, cols = x_HxMxN.shape
-    length = rows + cols - 1
-    width = _power_of_two_at_least(length)
-    x = jnp.pad(x_HxMxN, ((0, 0), (0, 0), (rows - 1, width - length)))
-    flat = jnp.pad(x.reshape(heads, rows * width), ((0, 0), (0, rows)))
-    return flat.reshape(heads, rows, width + 1).sum(axis=1)[:, :length]
+    x, step = x_HxMxN, 1
+    while x.shape[1] > 1:
+        if x.shape[1] % 2:
+            x = jnp.pad(x, ((0, 0), (1, 0), (0, 0)))
+        x = jnp.pad(x[:, 0::2], ((0, 0), (0, 0), (step, 0))) + jnp.pad(
+            x[:, 1::2], ((0, 0), (0, 0), (0, step))
+        )
+        step *= 2
+    return x[:, 0, : x_HxMxN.shape[1] + x_HxMxN.shape[2] - 1]
 
 
 def _sum_leading(x: jax.Array) -> jax.Array:

@@ -585,3 +585,14 @@ def test_bad_ssmax_max_count_raises(kwargs: dict, error: type, message: str) -> 
     x = jnp.zeros((1, 8, 4, 16))
     with pytest.raises(error, match=message):
         dot_product_attention(x, x, x, implementation="blockwise", **kwargs)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (1, 5), (5, 1), (3, 7), (64, 64), (150, 37)])
+def test_diagonal_sums_add_each_diagonal_of_the_tile(rows, cols):
+    x_HxMxN = np.random.default_rng(rows * cols).normal(size=(2, rows, cols)).astype(np.float32)
+    expected_HxX = np.zeros((2, rows + cols - 1))
+    for i, j in itertools.product(range(rows), range(cols)):
+        expected_HxX[:, j - i + rows - 1] += x_HxMxN[:, i, j]
+    np.testing.assert_allclose(
+        blockwise._diagonal_sums(jnp.asarray(x_HxMxN)), expected_HxX, rtol=1e-5, atol=1e-5
+    )
