@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bam_jax.attention import dot_product_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.config import ModelConfig
 from bam_jax.kv_cache import KVCache
 from bam_jax.losses import output_cross_entropy
@@ -151,18 +152,41 @@ class AttentionPrior(nnx.Module):
         )
 
 
+# The ModelConfig fields an attention layer reads besides its sizes and encoding.
+ATTENTION_FIELDS = (
+    "prior_alpha_init",
+    "prior_beta_init",
+    "prior_mu_init",
+    "train_prior_alpha",
+    "train_prior_beta",
+    "train_prior_mu",
+    "prior_form",
+    "train_ssmax_scale",
+    "rope_theta",
+    "dtype",
+)
+
+
 class Attention(nnx.Module):
     """Multi-head (or grouped-query) attention with the configured positional encoding.
 
-    Standalone use: `attention(x_BxTxE, segment_ids_BxT=None)`. The Transformer passes each
-    layer its finished inputs (`layer_inputs`: the prior, global or the layer's own, and the
-    SSMax scale, both as training varies them). `layer` is the block's index, which decides
-    its window; `spec` is the layer's `AttentionSpec` (`ModelConfig.attention_spec`).
+    Standalone use: `Attention.of_spec(dim, n_heads, spec, rngs=...)`, then
+    `attention(x_BxTxE, segment_ids_BxT=None)`. The Transformer passes each layer its
+    finished inputs (`layer_inputs`: the prior, global or the layer's own, and the SSMax
+    scale, both as training varies them). `spec` is the layer's `AttentionSpec` (None:
+    `config.attention_spec(layer)`, which gives layer `layer` its window).
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        layer: int = 0,
+        spec: AttentionSpec | None = None,
+    ):
         self.config = config
-        self.spec = config.attention_spec(layer)
+        self.spec = config.attention_spec(layer) if spec is None else spec
         q_dim, kv_dim = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
         self.wq = _linear(config.dim, q_dim, ("embed", "q_heads"), config, rngs)
         self.wk = _linear(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
@@ -178,6 +202,40 @@ class Attention(nnx.Module):
             else None
         )
         self.prior = AttentionPrior(config, rngs=rngs) if config.per_layer_prior else None
+
+    @classmethod
+    def of_spec(
+        cls,
+        dim: int,
+        n_heads: int,
+        spec: AttentionSpec | None = None,
+        *,
+        rngs: nnx.Rngs,
+        encoding: str = "bam_ssmax",
+        n_kv_heads: int | None = None,
+        **fields: Any,
+    ) -> Attention:
+        """An attention layer on its own, with its own prior: its width, heads, encoding and
+        `spec` (mask, SSMax placement, implementation, tiles; None: a global causal layer as
+        a Transformer of this encoding has), and any of `ATTENTION_FIELDS` by keyword (the
+        prior's initialisation and trainability, `train_ssmax_scale`, `rope_theta`,
+        `dtype`)."""
+        unknown = sorted(set(fields) - set(ATTENTION_FIELDS))
+        if unknown:
+            raise TypeError(
+                f"Attention.of_spec got {unknown}, which an attention layer does not read; "
+                f"it takes {list(ATTENTION_FIELDS)} (configure a whole model with ModelConfig)"
+            )
+        config = ModelConfig(
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            n_layers=1,
+            encoding=encoding,
+            global_prior=False,
+            **fields,
+        )
+        return cls(config, rngs=rngs, spec=spec)
 
     def layer_inputs(
         self,

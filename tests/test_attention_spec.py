@@ -7,10 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from bam_jax import AttentionSpec, ModelConfig, dot_product_attention, init_ggd_prior
 from bam_jax.attention import reference_attention
 from bam_jax.blockwise import blockwise_attention
+from bam_jax.model import Attention
 from bam_jax.pallas_attention import pallas_attention
 
 SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionSpec))
@@ -113,3 +115,32 @@ def test_a_model_layer_s_spec_follows_its_config() -> None:
         assert not config.replace(encoding=encoding).attention_spec(1).ssmax_prior_inside
     outside = config.replace(ssmax_prior_inside=False)
     assert not outside.attention_spec(1).ssmax_prior_inside
+
+
+def test_an_attention_layer_of_a_spec_is_a_model_s_layer_without_the_model() -> None:
+    x_BxTxE = jax.random.normal(jax.random.key(1), (2, 24, 32), jnp.float32)
+    alone = Attention.of_spec(32, 4, rngs=nnx.Rngs(0), n_kv_heads=2, prior_alpha_init="slope")
+    config = ModelConfig(
+        dim=32, n_heads=4, n_kv_heads=2, n_layers=1, global_prior=False, prior_alpha_init="slope"
+    )
+    in_a_model = Attention(config, rngs=nnx.Rngs(0))
+    assert alone.spec == config.attention_spec(0)
+    np.testing.assert_array_equal(alone(x_BxTxE), in_a_model(x_BxTxE))
+
+
+def test_an_attention_layer_attends_as_its_spec_says() -> None:
+    x_BxTxE = jax.random.normal(jax.random.key(1), (1, 24, 32), jnp.float32)
+    changed_last = x_BxTxE.at[:, -1].add(1.0)
+    for causal in (True, False):
+        spec = AttentionSpec(causal=causal, window=None if not causal else 8)
+        attention = Attention.of_spec(32, 4, spec, rngs=nnx.Rngs(0), encoding="alibi_ssmax")
+        assert attention.spec == spec
+        first_rows_moved = not np.allclose(
+            attention(x_BxTxE)[:, :-1], attention(changed_last)[:, :-1]
+        )
+        assert first_rows_moved == (not causal)
+
+
+def test_an_attention_layer_refuses_a_field_it_does_not_read() -> None:
+    with pytest.raises(TypeError, match=r"\['n_layers'\].*prior_alpha_init.*ModelConfig"):
+        Attention.of_spec(32, 4, rngs=nnx.Rngs(0), n_layers=2)
