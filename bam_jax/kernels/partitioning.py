@@ -18,7 +18,10 @@ callbacks), given the role of each operand's and result's dimensions:
 
 A result that sums over the batch (a parameter's gradient) must keep a batch dimension
 for the caller to sum: the kernel then holds no collective. Under vmap the kernel runs
-one call per vmapped index, without the rule.
+one call per vmapped index, without the rule. The rule is left out where there is nothing
+to partition or no device to partition over: in a one-device process, and when lowering
+ahead of time for devices the host lacks (an abstract mesh with an abstract device, as
+`bam_jax.kernels.lowering` uses), where jax refuses custom partitioning.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ def partitioned_by_batch_and_heads(
         sizes = _role_sizes(operands[0].shape, operands[1].shape)
         fitted = _fitted_roles(operand_roles, [x.shape for x in operands], sizes)
         local = functools.partial(kernel, **attributes)
+        if not _devices_to_partition_over():
+            return _sequential_under_vmap(local, local, len(result_roles))(*operands)
         partitioned = custom_partitioning(local)
         partitioned.def_partition(
             partition=functools.partial(_partition, local, fitted, result_roles, sizes),
@@ -80,6 +85,12 @@ def partitioned_by_batch_and_heads(
         return _sequential_under_vmap(partitioned, local, len(result_roles))(*operands)
 
     return call
+
+
+def _devices_to_partition_over() -> bool:
+    if jax.device_count() == 1:
+        return False
+    return getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None) is None
 
 
 def _sequential_under_vmap(partitioned: Kernel, local: Kernel, num_results: int) -> Kernel:
