@@ -117,21 +117,30 @@ def attention_kwargs(case: Case, inputs: dict, **overrides) -> dict:
 
 
 def run_kernel(case: Case, backend: str, inputs: dict, **overrides) -> jax.Array:
-    return pallas_attention(
-        inputs["q"],
-        inputs["k"],
-        inputs["v"],
-        **attention_kwargs(case, inputs, **overrides),
-        backend=backend,
-        interpret=backend != "cpu",
-        prior_table=case.prior_table,
-    )
+    """The kernel on the case's inputs, jitted (op by op, interpret mode and the reference
+    take several times longer); tests/test_cpu_kernel.py also runs it eagerly."""
+
+    def run(inputs: dict) -> jax.Array:
+        return pallas_attention(
+            inputs["q"],
+            inputs["k"],
+            inputs["v"],
+            **attention_kwargs(case, inputs, **overrides),
+            backend=backend,
+            interpret=backend != "cpu",
+            prior_table=case.prior_table,
+        )
+
+    return jax.jit(run)(inputs)
 
 
 def run_reference(case: Case, inputs: dict, **overrides) -> jax.Array:
-    return reference_attention(
-        inputs["q"], inputs["k"], inputs["v"], **attention_kwargs(case, inputs, **overrides)
-    )
+    def run(inputs: dict) -> jax.Array:
+        return reference_attention(
+            inputs["q"], inputs["k"], inputs["v"], **attention_kwargs(case, inputs, **overrides)
+        )
+
+    return jax.jit(run)(inputs)
 
 
 def query_visible(case: Case, inputs: dict) -> np.ndarray:
@@ -168,8 +177,12 @@ def check_gradients(case: Case, backend: str, seed: int = 0) -> tuple[dict, tupl
 
     argnums = (0, 1, 2, 3, 4)
     primals = (inputs["q"], inputs["k"], inputs["v"], inputs["prior"], inputs["ssmax"])
-    got = jax.grad(lambda *a: loss(lambda i: run_kernel(case, backend, i), *a), argnums)(*primals)
-    want = jax.grad(lambda *a: loss(lambda i: run_reference(case, i), *a), argnums)(*primals)
+
+    def gradients(run) -> tuple:
+        return jax.jit(jax.grad(functools.partial(loss, run), argnums))(*primals)
+
+    got = gradients(functools.partial(run_kernel, case, backend))
+    want = gradients(functools.partial(run_reference, case))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         scale = max(1.0, float(jnp.max(jnp.abs(w))))
         np.testing.assert_allclose(g, w, atol=5e-5 * scale, rtol=1e-4)
@@ -344,8 +357,12 @@ def test_any_prior_reads_from_the_table(backend: str) -> None:
     def loss(run, weight_H):
         return jnp.sum(run(dict(inputs, prior=PowerLawPrior(weight_H))) ** 2)
 
-    got = jax.grad(functools.partial(loss, lambda i: run_kernel(case, backend, i)))(prior.weight_H)
-    want = jax.grad(functools.partial(loss, lambda i: run_reference(case, i)))(prior.weight_H)
+    got = jax.jit(jax.grad(functools.partial(loss, functools.partial(run_kernel, case, backend))))(
+        prior.weight_H
+    )
+    want = jax.jit(jax.grad(functools.partial(loss, functools.partial(run_reference, case))))(
+        prior.weight_H
+    )
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -74,10 +74,10 @@ def check(implementation, case):
     ours = sharded(implementation, case, prior)
     loss = lambda fn: lambda *a: jnp.sum(fn(*a) * weights)
     grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3, 4)))(*args)
-    expected = jax.grad(loss(reference), argnums=(0, 1, 2, 3, 4))(*args)
+    expected = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2, 3, 4)))(*args)
     pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True)
     return {
-        "value_error": relative_error(jax.jit(ours)(*args), reference(*args)),
+        "value_error": relative_error(jax.jit(ours)(*args), jax.jit(reference)(*args)),
         "grad_errors": [relative_error(a, b) for a, b in pairs],
     }
 

@@ -93,7 +93,7 @@ def values_and_gradients(run: Callable[[dict], jax.Array], inputs: dict, cotange
         return jnp.sum(out.astype(jnp.float32) * jnp.asarray(cotangent, jnp.float32))
 
     primals = tuple(inputs[name] for name in ("q", "k", "v", "prior", "ssmax"))
-    return run(inputs), jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*primals)
+    return jax.jit(run)(inputs), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*primals)
 
 
 def reference_run(case: Case) -> Callable[[dict], jax.Array]:
