@@ -7,17 +7,23 @@ import tempfile
 import jax
 import pytest
 
-_OWNED_CACHE = pytest.StashKey[str]()
+_OWNED_CACHES = pytest.StashKey[list[str]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Many tests compile the same programs (one model, one train step): every test, xdist
-    worker and subprocess of the session shares one persistent compilation cache. The
-    controller makes it before the workers start, and they inherit it with the
-    environment."""
-    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bam_jax_xla_cache_")
-        config.stash[_OWNED_CACHE] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    """Many tests compile the same programs (one model, one train step) and the CPU
+    kernel: every test, xdist worker and subprocess of the session shares one persistent
+    compilation cache and one kernel cache, never the user's. The controller makes them
+    before the workers start, and they inherit them with the environment."""
+    owned = []
+    for variable, prefix in (
+        ("JAX_COMPILATION_CACHE_DIR", "bam_jax_xla_cache_"),
+        ("BAM_JAX_KERNEL_CACHE", "bam_jax_kernel_cache_"),
+    ):
+        if variable not in os.environ:
+            os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+            owned.append(os.environ[variable])
+    config.stash[_OWNED_CACHES] = owned
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
@@ -32,9 +38,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    owned = config.stash.get(_OWNED_CACHE, None)
-    if owned is not None:
-        shutil.rmtree(owned, ignore_errors=True)
+    for directory in config.stash.get(_OWNED_CACHES, []):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

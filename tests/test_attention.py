@@ -17,6 +17,7 @@ from bam_jax.attention import dot_product_attention
 from bam_jax.blockwise import window_keys
 from bam_jax.implementation import resolve_implementation
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes, init_ggd_prior
+from tests.grids import slow_unless
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +143,10 @@ def check_against_reference(case: Case, rtol: float = 1e-5) -> None:
             assert_close(leaf_blk, leaf_ref, rtol, name)
 
 
-# A covering subset of the grid: every length, block size, beta, mode and feature
-# appears at least once; the 1000-token cases use few block sizes.
+# A covering subset of the grid: every length, block sizes that divide it and that do
+# not, each sign of beta, both SSMax orders and every feature appear at least once.
 DEFAULT_CASES = [
     Case(q_len=1, block_q=16, block_k=16),
-    Case(q_len=7, block_q=16, block_k=16, theta_beta=1.7, ssmax=True),
     Case(q_len=7, block_q=4, block_k=2, theta_beta=-0.6, documents=True, ssmax=True),
     Case(
         q_len=64,
@@ -158,7 +158,6 @@ DEFAULT_CASES = [
         ssmax=True,
         prior_inside=False,
     ),
-    Case(q_len=129, block_q=32, block_k=64, theta_beta=-0.6, documents=True, ssmax=True),
     Case(q_len=129, block_q=128, block_k=16, theta_beta=1.7, theta_mu=-0.3, window=20),
     Case(
         q_len=129, block_q=512, block_k=512, theta_beta=None, ssmax=True, kv_heads=1, causal=False
@@ -173,7 +172,6 @@ DEFAULT_CASES = [
         causal=False,
         ssmax=True,
     ),
-    Case(q_len=24, kv_len=129, offset=70, block_q=16, block_k=32, theta_beta=0.5, ssmax=True),
     Case(
         q_len=24,
         kv_len=129,
@@ -187,7 +185,6 @@ DEFAULT_CASES = [
         prior_inside=False,
         kv_heads=2,
     ),
-    Case(q_len=1000, block_q=256, block_k=128, theta_beta=0.5, documents=True, ssmax=True, batch=1),
     Case(
         q_len=1000,
         block_q=512,
@@ -200,36 +197,12 @@ DEFAULT_CASES = [
         window=300,
         batch=1,
     ),
-    Case(q_len=64, kv_len=1000, offset=500, traced_offset=True, block_q=32, block_k=128, batch=1),
-    # Odd batches: the prior gradient's batch sum halves [5, ...] into 2 + 2 + 1 rows.
+    # An odd batch: the prior gradient's batch sum halves [5, ...] into 2 + 2 + 1 rows.
     Case(q_len=50, block_q=16, block_k=16, theta_beta=0.7, ssmax=True, batch=5),
-    Case(q_len=33, block_q=16, block_k=32, theta_beta=-0.6, documents=True, batch=3),
     # theta_beta near -8: the prior at d = mu saturates instead of overflowing to inf.
     Case(q_len=70, block_q=16, block_k=32, theta_beta=-8.0, documents=True, ssmax=True),
-    Case(
-        q_len=70,
-        block_q=32,
-        block_k=16,
-        theta_beta=-8.0,
-        documents=True,
-        ssmax=True,
-        prior_inside=False,
-    ),
     # SSMax's key count capped below the longest rows' counts.
     Case(q_len=100, block_q=32, block_k=16, documents=True, ssmax=True, ssmax_max_count=30),
-    Case(
-        q_len=24,
-        kv_len=129,
-        offset=90,
-        traced_offset=True,
-        block_q=16,
-        block_k=32,
-        theta_beta=-0.6,
-        ssmax=True,
-        prior_inside=False,
-        kv_heads=2,
-        ssmax_max_count=64,
-    ),
     # A causal window over a long cache (a local layer): the keys are cut to its blocks.
     Case(
         q_len=50,
@@ -244,7 +217,6 @@ DEFAULT_CASES = [
         kv_heads=2,
         batch=1,
     ),
-    Case(q_len=30, kv_len=1000, offset=10, block_q=16, block_k=64, window=20, ssmax=True),
     Case(q_len=33, kv_len=600, offset=300, block_q=16, block_k=32, window=0, ssmax=True),
     # ...near the end of the cache, where the cut cannot start at a block boundary.
     Case(
@@ -260,6 +232,39 @@ DEFAULT_CASES = [
         ssmax=True,
         batch=1,
     ),
+]
+
+# More combinations of the same features, run with the full grid.
+SLOW_CASES = [
+    Case(q_len=7, block_q=16, block_k=16, theta_beta=1.7, ssmax=True),
+    Case(q_len=129, block_q=32, block_k=64, theta_beta=-0.6, documents=True, ssmax=True),
+    Case(q_len=24, kv_len=129, offset=70, block_q=16, block_k=32, theta_beta=0.5, ssmax=True),
+    Case(q_len=1000, block_q=256, block_k=128, theta_beta=0.5, documents=True, ssmax=True, batch=1),
+    Case(q_len=64, kv_len=1000, offset=500, traced_offset=True, block_q=32, block_k=128, batch=1),
+    Case(q_len=33, block_q=16, block_k=32, theta_beta=-0.6, documents=True, batch=3),
+    Case(
+        q_len=70,
+        block_q=32,
+        block_k=16,
+        theta_beta=-8.0,
+        documents=True,
+        ssmax=True,
+        prior_inside=False,
+    ),
+    Case(
+        q_len=24,
+        kv_len=129,
+        offset=90,
+        traced_offset=True,
+        block_q=16,
+        block_k=32,
+        theta_beta=-0.6,
+        ssmax=True,
+        prior_inside=False,
+        kv_heads=2,
+        ssmax_max_count=64,
+    ),
+    Case(q_len=30, kv_len=1000, offset=10, block_q=16, block_k=64, window=20, ssmax=True),
 ]
 
 
@@ -283,7 +288,7 @@ def test_window_keys_cut_whole_blocks_that_hold_the_window() -> None:
         assert unchanged[0] is slots and unchanged[3] == 5
 
 
-@pytest.mark.parametrize("offset", [0, 10, 700, 955])
+@pytest.mark.parametrize("offset", slow_unless([0, 10, 700, 955], default=(700, 955)))
 def test_cutting_a_window_from_a_long_cache_changes_no_bit(monkeypatch, offset: int) -> None:
     case = Case(q_len=45, kv_len=1000, offset=offset, block_q=16, block_k=64, window=20, ssmax=True)
     inputs = make_inputs(case)
@@ -329,7 +334,7 @@ def _full_grid() -> list[Case]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", _full_grid(), ids=str)
+@pytest.mark.parametrize("case", _full_grid() + SLOW_CASES, ids=str)
 def test_blockwise_matches_reference_full_grid(case: Case) -> None:
     check_against_reference(case)
 
@@ -586,7 +591,10 @@ def test_bad_ssmax_max_count_raises(kwargs: dict, error: type, message: str) -> 
         dot_product_attention(x, x, x, implementation="blockwise", **kwargs)
 
 
-@pytest.mark.parametrize("rows, cols", [(1, 1), (1, 5), (5, 1), (3, 7), (64, 64), (150, 37)])
+@pytest.mark.parametrize(
+    "rows, cols",
+    slow_unless([(1, 1), (1, 5), (5, 1), (3, 7), (64, 64), (150, 37)], default=[(1, 5), (150, 37)]),
+)
 def test_diagonal_sums_add_each_diagonal_of_the_tile(rows, cols):
     x_HxMxN = np.random.default_rng(rows * cols).normal(size=(2, rows, cols)).astype(np.float32)
     expected_HxX = np.zeros((2, rows + cols - 1))

@@ -24,6 +24,7 @@ from bam_jax.attention import dot_product_attention
 from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import GGD_EPS, GGDPrior
 from tests.cpu_compiler import needs_compiler
+from tests.grids import slow_unless
 from tests.test_x64 import x64_mode
 
 GRAD_RTOL = 1e-3
@@ -145,13 +146,18 @@ def float64_attention(
     return jnp.einsum("bhts,bshd->bthd", probs, v)
 
 
+@functools.cache
 def float64_values_and_gradients(case: SharpCase):
+    """Computed once per case and process: the blockwise and fused checks share it."""
     primals, documents, cotangent = make_inputs(case)
     with x64_mode():
-        run = jax.jit(lambda *p: float64_attention(case, documents, *p))
+
+        def loss(*p):
+            out = float64_attention(case, documents, *p)
+            return jnp.sum(out * cotangent), out
+
         args = [jnp.asarray(primals[name], jnp.float64) for name in PRIMALS]
-        out = run(*args)
-        grads = jax.grad(lambda *p: jnp.sum(run(*p) * cotangent), argnums=range(7))(*args)
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=range(7), has_aux=True))(*args)
         return np.asarray(out), [np.asarray(g) for g in grads]
 
 
@@ -162,7 +168,6 @@ def float32_values_and_gradients(case: SharpCase, implementation: str):
         ids = jnp.asarray(documents, jnp.int32)
         segments = {"query_segment_ids_BxT": ids, "key_segment_ids_BxS": ids}
 
-    @jax.jit
     def run(q, k, v, alpha, beta, theta_mu, scale):
         return IMPLEMENTATIONS[implementation](
             q,
@@ -174,10 +179,13 @@ def float32_values_and_gradients(case: SharpCase, implementation: str):
             **segments,
         )
 
+    def loss(*p):
+        out = run(*p)
+        return jnp.sum(out * jnp.asarray(cotangent, jnp.float32)), out
+
     args = [jnp.asarray(primals[name], jnp.float32) for name in PRIMALS]
-    loss = lambda *p: jnp.sum(run(*p) * jnp.asarray(cotangent, jnp.float32))
-    grads = jax.jit(jax.grad(loss, argnums=range(7)))(*args)
-    return np.asarray(run(*args)), [np.asarray(g) for g in grads]
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=range(7), has_aux=True))(*args)
+    return np.asarray(out), [np.asarray(g) for g in grads]
 
 
 def assert_head_gradients_close(name: str, got: np.ndarray, want: np.ndarray) -> None:
@@ -200,21 +208,13 @@ def check_against_float64(case: SharpCase, implementation: str) -> None:
         )
 
 
-def default_or_slow(names: list[str]) -> list:
-    """The cases, those outside DEFAULT_SUITE_CASES marked slow."""
-    return [
-        name if name in DEFAULT_SUITE_CASES else pytest.param(name, marks=pytest.mark.slow)
-        for name in names
-    ]
-
-
-@pytest.mark.parametrize("name", default_or_slow(sorted(CASES)))
+@pytest.mark.parametrize("name", slow_unless(sorted(CASES), DEFAULT_SUITE_CASES))
 def test_blockwise_gradients_match_float64(name: str) -> None:
     check_against_float64(CASES[name], "blockwise")
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", default_or_slow(sorted(CASES)))
+@pytest.mark.parametrize("name", slow_unless(sorted(CASES), DEFAULT_SUITE_CASES))
 def test_fused_cpu_kernel_gradients_match_float64(name: str) -> None:
     check_against_float64(CASES[name], "fused")
 

@@ -46,14 +46,6 @@ pytestmark = needs_compiler
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_kernel_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The kernel is built once for the module into a temporary cache, not the user's."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(cpu.CACHE_ENV, str(tmp_path_factory.mktemp("kernel_cache")))
-        yield
-
-
 @pytest.fixture(autouse=True)
 def every_query_count_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu, "CPU_MIN_QUERIES", 0)

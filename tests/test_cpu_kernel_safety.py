@@ -42,6 +42,8 @@ TINY_SOURCE = 'extern "C" int BamCpuAttentionHasAvx512() { return 1; }\n'
 
 @pytest.fixture(scope="module", autouse=True)
 def private_kernel_cache(tmp_path_factory: pytest.TempPathFactory):
+    """These tests damage and rebuild the cached kernel: a cache of their own, not the
+    session's that other tests load concurrently."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(cpu.CACHE_ENV, str(tmp_path_factory.mktemp("kernel_cache")))
         yield

@@ -9,6 +9,7 @@ under vmap the kernel runs per index.
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 
 from bam_jax.pallas_attention import pallas_attention
 from tests.cpu_compiler import needs_compiler
+from tests.grids import selected_values, slow_unless
 from tests.host_devices import host_devices_result
 
 pytestmark = needs_compiler
@@ -141,20 +143,26 @@ print("RESULT" + json.dumps(results))
 """
 
 
-def _run_checks(names: tuple[str, ...], kernel_cache: str, shardy: bool = True) -> dict:
+# The default suite's cases: batch, heads with grouped queries, a single key head, and one
+# gathered dimension; the rest are slow.
+DEFAULT_CASES = (
+    "batch_ggd_ssmax",
+    "heads_gqa_2x2_documents_offset",
+    "single_kv_head_query_heads_sharded",
+    "kv_heads_fewer_than_devices_gathered",
+)
+
+
+def _run_checks(names: Iterable[str], shardy: bool = True) -> dict:
     code = textwrap.dedent(CASES) + CHECK.format(collectives=COLLECTIVES)
-    env = {"JAX_USE_SHARDY_PARTITIONER": str(shardy).lower(), "BAM_JAX_KERNEL_CACHE": kernel_cache}
+    env = {"JAX_USE_SHARDY_PARTITIONER": str(shardy).lower()}
     return host_devices_result(code, *names, env=env)
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("kernel_cache"))
-
-
-@pytest.fixture(scope="module")
-def results(kernel_cache) -> dict:
-    return _run_checks(SHARDED_CASES + GATHERED_CASES, kernel_cache)
+def results(request: pytest.FixtureRequest) -> dict:
+    """One subprocess checks every case that this session's selected tests ask for."""
+    return _run_checks(selected_values(request, "name"))
 
 
 def _check_values_and_gradients(result: dict) -> None:
@@ -168,34 +176,33 @@ def _check_per_shard(result: dict) -> None:
     assert result["output_like_q"] and result["result_like_q"], result["shards"]
 
 
-@pytest.mark.parametrize("name", SHARDED_CASES + GATHERED_CASES)
+@pytest.mark.parametrize("name", slow_unless(SHARDED_CASES + GATHERED_CASES, DEFAULT_CASES))
 def test_values_and_gradients_match_the_unsharded_call(results, name):
     _check_values_and_gradients(results[name])
 
 
-@pytest.mark.parametrize("name", SHARDED_CASES)
+@pytest.mark.parametrize("name", slow_unless(SHARDED_CASES, DEFAULT_CASES))
 def test_forward_computes_per_shard_without_collectives(results, name):
     assert results["shardy"]
     _check_per_shard(results[name])
 
 
-@pytest.mark.parametrize("name", GATHERED_CASES)
+@pytest.mark.parametrize("name", slow_unless(GATHERED_CASES, DEFAULT_CASES))
 def test_dimensions_the_rule_cannot_shard_are_gathered(results, name):
     assert results[name]["collectives"]["all-gather"] > 0
 
 
 @pytest.mark.slow
-def test_gspmd_partitioner_shards_the_same_way(kernel_cache):
+def test_gspmd_partitioner_shards_the_same_way():
     names = ("batch_ggd_ssmax", "heads_gqa_2x2_documents_offset")
-    results = _run_checks(names, kernel_cache, shardy=False)
+    results = _run_checks(names, shardy=False)
     assert not results["shardy"]
     for name in names:
         _check_values_and_gradients(results[name])
         _check_per_shard(results[name])
 
 
-def test_vmap_runs_the_kernel_per_index(kernel_cache, monkeypatch):
-    monkeypatch.setenv("BAM_JAX_KERNEL_CACHE", kernel_cache)
+def test_vmap_runs_the_kernel_per_index():
     rng = np.random.default_rng(0)
     q_VxBxTxHxD = jnp.asarray(rng.normal(size=(3, 2, 64, 4, 16)), jnp.float32)
     k_VxBxSxKxD = jnp.asarray(rng.normal(size=(3, 2, 64, 2, 16)), jnp.float32)

@@ -66,27 +66,36 @@ def relative_error(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def check(implementation, case):
-    prior = PRIORS[case["prior"]]
+def value_and_gradients(fn, case):
     weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
-    args = (q, k, v, prior, ssmax, segments)
-    reference = lambda *a: attention("reference", case, *a)
-    ours = sharded(implementation, case, prior)
-    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * weights)
-    grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3, 4)))(*args)
-    expected = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2, 3, 4)))(*args)
-    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True)
+
+    def loss(*a):
+        out = fn(*a)
+        return jnp.sum(out * weights), out
+
+    args = (q, k, v, PRIORS[case["prior"]], ssmax, segments)
+    value_and_grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+    (_, out), grads = jax.jit(value_and_grad)(*args)
+    return out, grads
+
+
+def check(implementation, case, expected):
+    ours = sharded(implementation, case, PRIORS[case["prior"]])
+    out, grads = value_and_gradients(ours, case)
+    expected_out, expected_grads = expected
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True)
     return {
-        "value_error": relative_error(jax.jit(ours)(*args), jax.jit(reference)(*args)),
+        "value_error": relative_error(out, expected_out),
         "grad_errors": [relative_error(a, b) for a, b in pairs],
     }
 
 
-results = {
-    f"{implementation}/{name}": check(implementation, case)
-    for implementation in sys.argv[1:]
-    for name, case in CASES.items()
-}
+results = {}
+for name, case in CASES.items():
+    reference = lambda *a: attention("reference", case, *a)
+    expected = value_and_gradients(reference, case)
+    for implementation in sys.argv[1:]:
+        results[f"{implementation}/{name}"] = check(implementation, case, expected)
 print("RESULT" + json.dumps(results))
 """
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.cpu_compiler import HAS_COMPILER
+from tests.grids import selected_values
 from tests.host_devices import host_devices_result
 
 CHECK = """
@@ -82,26 +83,29 @@ def relative_error(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def check(implementation):
-    args = (q, k, v, prior, ssmax)
-    forward = jax.jit(lambda *a: attention(implementation, *a)).lower(*args).compile()
+def compiled(implementation):
+    forward = jax.jit(lambda *a: attention(implementation, *a)).lower(*ARGS).compile()
     gradient = jax.jit(jax.grad(loss(implementation), argnums=(0, 1, 2, 3, 4)))
-    compiled_gradient = gradient.lower(*args).compile()
-    grads = gradient(*args)
-    expected = jax.jit(jax.grad(loss("reference"), argnums=(0, 1, 2, 3, 4)))(*args)
-    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True)
+    return forward, gradient.lower(*ARGS).compile()
+
+
+def check(implementation):
+    forward, compiled_gradient = compiled(implementation)
+    grads = compiled_gradient(*ARGS)
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(EXPECTED_GRADS), strict=True)
     return {
         "forward_collectives": collectives(forward),
         "output_like_q": forward.output_shardings.is_equivalent_to(HEADS, 4),
         "gradient_collectives": collectives(compiled_gradient),
         "dqkv_like_inputs": [g.sharding.is_equivalent_to(HEADS, 4) for g in grads[:3]],
-        "value_error": relative_error(
-            forward(*args), jax.jit(lambda *a: attention("reference", *a))(*args)
-        ),
+        "value_error": relative_error(forward(*ARGS), EXPECTED),
         "grad_errors": [relative_error(a, b) for a, b in pairs],
     }
 
 
+ARGS = (q, k, v, prior, ssmax)
+reference_forward, reference_gradient = compiled("reference")
+EXPECTED, EXPECTED_GRADS = reference_forward(*ARGS), reference_gradient(*ARGS)
 print("RESULT" + json.dumps({name: check(name) for name in sys.argv[1:]}))
 """
 
@@ -110,8 +114,8 @@ IMPLEMENTATIONS = ("blockwise", "gpu_interpret") + (("fused",) if HAS_COMPILER e
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return host_devices_result(CHECK, *IMPLEMENTATIONS)
+def results(request: pytest.FixtureRequest) -> dict:
+    return host_devices_result(CHECK, *selected_values(request, "implementation"))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -24,6 +24,7 @@ from bam_jax.config import ModelConfig
 from bam_jax.model import Transformer
 from bam_jax.pallas_attention import pallas_attention
 from tests.cpu_compiler import HAS_COMPILER, needs_compiler
+from tests.grids import slow_unless
 from tests.test_pallas_attention import Case, attention_kwargs, make_inputs
 
 ATOL = RTOL = 2e-5
@@ -90,10 +91,12 @@ def values_and_gradients(run: Callable[[dict], jax.Array], inputs: dict, cotange
 
     def loss(q, k, v, prior, ssmax):
         out = run(dict(inputs, q=q, k=k, v=v, prior=prior, ssmax=ssmax))
-        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(cotangent, jnp.float32))
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(cotangent, jnp.float32)), out
 
     primals = tuple(inputs[name] for name in ("q", "k", "v", "prior", "ssmax"))
-    return jax.jit(run)(inputs), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*primals)
+    value_and_grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+    (_, out), grads = jax.jit(value_and_grad)(*primals)
+    return out, grads
 
 
 def reference_run(case: Case) -> Callable[[dict], jax.Array]:
@@ -153,22 +156,16 @@ def check_x64(case: Case, make_run: Callable[[], Callable[[dict], jax.Array]]) -
             np.testing.assert_allclose(got, want, atol=GRAD_TOL * scale, rtol=GRAD_TOL)
 
 
-def only_documents_by_default(names: list[str]) -> list:
-    """The cases, all but the documents case marked slow (the default suite's time)."""
-    return [
-        name if name == "documents_ssmax_inside" else pytest.param(name, marks=pytest.mark.slow)
-        for name in names
-    ]
-
-
-@pytest.mark.parametrize("name", only_documents_by_default([*sorted(CASES), "window"]))
+@pytest.mark.parametrize(
+    "name", slow_unless([*sorted(CASES), "window"], default=["documents_ssmax_inside"])
+)
 def test_blockwise_under_x64(name: str) -> None:
     case = CASES.get(name, WINDOW_CASE)
     check_x64(case, lambda: implementation_run(case, "blockwise"))
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", only_documents_by_default(sorted(CASES)))
+@pytest.mark.parametrize("name", slow_unless(sorted(CASES), default=["documents_ssmax_inside"]))
 def test_fused_cpu_kernel_under_x64(name: str) -> None:
     # The native forward and the blockwise backward.
     check_x64(CASES[name], lambda: implementation_run(CASES[name], "fused"))
