@@ -203,22 +203,10 @@ DEFAULT_CASES = [
     Case(q_len=70, block_q=16, block_k=32, theta_beta=-8.0, documents=True, ssmax=True),
     # SSMax's key count capped below the longest rows' counts.
     Case(q_len=100, block_q=32, block_k=16, documents=True, ssmax=True, ssmax_max_count=30),
-    # A causal window over a long cache (a local layer): the keys are cut to its blocks.
-    Case(
-        q_len=50,
-        kv_len=1000,
-        offset=700,
-        traced_offset=True,
-        block_q=32,
-        block_k=64,
-        theta_beta=-0.6,
-        window=20,
-        ssmax=True,
-        kv_heads=2,
-        batch=1,
-    ),
+    # A zero window (each query sees itself) after an offset.
     Case(q_len=33, kv_len=600, offset=300, block_q=16, block_k=32, window=0, ssmax=True),
-    # ...near the end of the cache, where the cut cannot start at a block boundary.
+    # A causal window over a long cache (a local layer), near the end of the cache where the
+    # cut to the window's blocks cannot start at a block boundary.
     Case(
         q_len=40,
         kv_len=1000,
@@ -236,6 +224,19 @@ DEFAULT_CASES = [
 
 # More combinations of the same features, run with the full grid.
 SLOW_CASES = [
+    Case(
+        q_len=50,
+        kv_len=1000,
+        offset=700,
+        traced_offset=True,
+        block_q=32,
+        block_k=64,
+        theta_beta=-0.6,
+        window=20,
+        ssmax=True,
+        kv_heads=2,
+        batch=1,
+    ),
     Case(q_len=7, block_q=16, block_k=16, theta_beta=1.7, ssmax=True),
     Case(q_len=129, block_q=32, block_k=64, theta_beta=-0.6, documents=True, ssmax=True),
     Case(q_len=24, kv_len=129, offset=70, block_q=16, block_k=32, theta_beta=0.5, ssmax=True),
@@ -288,7 +289,7 @@ def test_window_keys_cut_whole_blocks_that_hold_the_window() -> None:
         assert unchanged[0] is slots and unchanged[3] == 5
 
 
-@pytest.mark.parametrize("offset", slow_unless([0, 10, 700, 955], default=(700, 955)))
+@pytest.mark.parametrize("offset", slow_unless([0, 10, 700, 955], default=[955]))
 def test_cutting_a_window_from_a_long_cache_changes_no_bit(monkeypatch, offset: int) -> None:
     case = Case(q_len=45, kv_len=1000, offset=offset, block_q=16, block_k=64, window=20, ssmax=True)
     inputs = make_inputs(case)
@@ -510,9 +511,14 @@ def test_the_default_implementation_is_the_scalable_one_and_matches_the_referenc
     )
     kwargs = dict(prior=prior, ssmax_scale_H=jnp.full((4,), 0.7), block_q=32, block_k=32)
     assert resolve_implementation() == "blockwise"
-    chosen = dot_product_attention(q, k, v, **kwargs)
-    blockwise = dot_product_attention(q, k, v, implementation="blockwise", **kwargs)
-    reference = dot_product_attention(q, k, v, implementation="reference", **kwargs)
+
+    def attend(**implementation):
+        attention = functools.partial(dot_product_attention, **kwargs, **implementation)
+        return jax.jit(attention)(q, k, v)
+
+    chosen = attend()
+    blockwise = attend(implementation="blockwise")
+    reference = attend(implementation="reference")
     np.testing.assert_array_equal(chosen, blockwise)
     np.testing.assert_allclose(chosen, reference, atol=2e-5)
 

@@ -65,13 +65,16 @@ def test_no_jitter_and_no_dilation_give_no_factors():
     assert layer_factors(jitter_config(0.0), jnp.int32(3), 1) is None
 
 
+hidden_states = nnx.jit(Transformer.hidden_states)
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_factors_scale_each_layers_learned_ssmax_scale(scan_layers):
     config = MODEL.replace(scan_layers=scan_layers)
     model = Transformer(config, rngs=nnx.Rngs(0))
     tokens_BxT = jax.random.randint(jax.random.key(1), (2, 24), 0, config.vocab_size)
     factors_L = jnp.asarray([1.0, 0.6, 0.8], jnp.float32)
-    jittered = model.hidden_states(tokens_BxT, layer_factors=LayerFactors(ssmax_scale_L=factors_L))
+    jittered = hidden_states(model, tokens_BxT, layer_factors=LayerFactors(ssmax_scale_L=factors_L))
     scaled = Transformer(config, rngs=nnx.Rngs(0))
     if scan_layers:
         scale_LxH = scaled.layers.attention.seq_scale
@@ -79,8 +82,8 @@ def test_factors_scale_each_layers_learned_ssmax_scale(scan_layers):
     else:
         for layer, factor in zip(scaled.layers, factors_L, strict=True):
             layer.attention.seq_scale[...] = layer.attention.seq_scale[...] * factor
-    np.testing.assert_allclose(jittered, scaled.hidden_states(tokens_BxT), rtol=1e-6, atol=1e-6)
-    unjittered = model.hidden_states(tokens_BxT)
+    np.testing.assert_allclose(jittered, hidden_states(scaled, tokens_BxT), rtol=1e-6, atol=1e-6)
+    unjittered = hidden_states(model, tokens_BxT)
     assert np.abs(np.asarray(jittered) - np.asarray(unjittered)).max() > 1e-4
 
 
@@ -199,7 +202,7 @@ def test_dilations_stretch_each_layers_prior(scan_layers):
     tokens_BxT = jax.random.randint(jax.random.key(1), (2, 40), 0, config.vocab_size)
     dilations_L = jnp.asarray([1.0, 30.0, 4.0], jnp.float32)
     factors = LayerFactors(prior_dilation_L=dilations_L)
-    dilated = model.hidden_states(tokens_BxT, layer_factors=factors)
+    dilated = hidden_states(model, tokens_BxT, layer_factors=factors)
     stretched = Transformer(config, rngs=nnx.Rngs(0))
     if scan_layers:
         prior = stretched.layers.attention.prior
@@ -211,9 +214,9 @@ def test_dilations_stretch_each_layers_prior(scan_layers):
             prior.theta_alpha[...] = prior.theta_alpha[...] + prior.theta_beta[...] * jnp.log(
                 dilation
             )
-    expected = stretched.hidden_states(tokens_BxT)
+    expected = hidden_states(stretched, tokens_BxT)
     np.testing.assert_allclose(dilated, expected, rtol=2e-5, atol=2e-5)
-    assert np.abs(np.asarray(dilated) - np.asarray(model.hidden_states(tokens_BxT))).max() > 1e-4
+    assert np.abs(np.asarray(dilated) - np.asarray(hidden_states(model, tokens_BxT))).max() > 1e-4
 
 
 def test_a_dilation_stretches_a_global_prior_in_each_layer_it_reaches():

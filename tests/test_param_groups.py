@@ -58,7 +58,7 @@ def test_nnx_optimizer_trains_the_prior_without_decaying_it():
 
 def test_linen_training_of_the_trainable_collections_moves_the_prior_and_never_decays_it():
     module = linen_transformer(CONFIG)
-    variables = module.init(jax.random.key(0), TOKENS_BxT)
+    variables = jax.jit(module.init)(jax.random.key(0), TOKENS_BxT)
     params = trainable(variables)
     assert set(params) == {"params", "prior_params", "ssmax_params"}
     tx = optax.multi_transform(groups(decay=0.5), linen_labels)
