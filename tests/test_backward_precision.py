@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from bam_jax.attention import dot_product_attention
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import GGD_EPS, GGDPrior
 from tests.cpu_compiler import needs_compiler
@@ -94,8 +95,17 @@ PRIMALS = ("q", "k", "v", "theta_alpha", "theta_beta", "theta_mu", "ssmax_scale"
 IMPLEMENTATIONS = {
     "blockwise": functools.partial(dot_product_attention, implementation="blockwise"),
     "fused": functools.partial(dot_product_attention, implementation="fused"),
-    "gpu_interpret": functools.partial(
-        pallas_attention, backend="gpu", interpret=True, backward="fused"
+    "gpu_interpret": lambda q, k, v, *, ssmax_prior_inside, **arrays: pallas_attention(
+        q,
+        k,
+        v,
+        AttentionSpec(ssmax_prior_inside=ssmax_prior_inside),
+        **{"query_segment_ids_BxT": None, "key_segment_ids_BxS": None, **arrays},
+        ssmax_max_count=None,
+        query_offset=0,
+        backend="gpu",
+        interpret=True,
+        backward="fused",
     ),
 }
 
