@@ -862,9 +862,16 @@ def run_autotune(
         if deadline.remaining() < s.compile_allowance_s:
             report.row(*cells, "", "", "", "skipped: would pass the deadline")
             continue
+        spec = AttentionSpec(block_q=config["block_q"], block_k=config["block_k"])
         fn = jax.jit(
             functools.partial(
-                pallas_attention, backend=s.backend, interpret=s.interpret, prior=prior, **config
+                pallas_attention,
+                spec=spec,
+                backend=s.backend,
+                interpret=s.interpret,
+                prior=prior,
+                num_warps=config["num_warps"],
+                num_stages=config["num_stages"],
             )
         )
         try:
