@@ -135,23 +135,35 @@ def make_inputs(case: SharpCase) -> tuple[dict[str, np.ndarray], np.ndarray | No
 
 
 def float64_attention(
-    case: SharpCase, documents: np.ndarray | None, q, k, v, alpha, beta, theta_mu, scale
+    prior_inside: bool,
+    documents: np.ndarray | None,
+    q,
+    k,
+    v,
+    alpha,
+    beta,
+    theta_mu,
+    scale,
+    query_offset: int = 0,
 ):
-    """The attention of docs/spec.md in float64 (x64 mode), every [T, S] array materialised."""
+    """The causal attention of docs/spec.md in float64 (x64 mode), with a GGD prior and SSMax,
+    every [T, S] array materialised; queries sit at query_offset + t among the S keys.
+    `documents` (one row of ids, T == S) masks keys of other documents."""
     groups = q.shape[2] // k.shape[2]
     k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
-    positions = jnp.arange(q.shape[1])
-    distance = (positions[None, :] - positions[:, None]).astype(jnp.float64)
+    query_positions = jnp.arange(q.shape[1]) + query_offset
+    key_positions = jnp.arange(k.shape[1])
+    distance = (key_positions[None, :] - query_positions[:, None]).astype(jnp.float64)
     gap = jnp.abs(distance[None] - (jnp.exp(theta_mu) - jnp.exp(-theta_mu))[:, None, None])
     bias = -jnp.exp(alpha)[:, None, None] * (gap + GGD_EPS) ** beta[:, None, None]
-    visible = positions[None, :] <= positions[:, None]
+    visible = key_positions[None, :] <= query_positions[:, None]
     if documents is not None:
         visible = visible & (documents[0][:, None] == documents[0][None, :])
     log_n = jnp.log(visible.sum(-1).astype(jnp.float64))[None, None, :, None]
     factor = scale[None, :, None, None] * log_n
     inside = (scores + bias[None]) * factor
-    logits = inside if case.prior_inside else scores * factor + bias[None]
+    logits = inside if prior_inside else scores * factor + bias[None]
     probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
     return jnp.einsum("bhts,bshd->bthd", probs, v)
 
@@ -163,7 +175,7 @@ def float64_values_and_gradients(case: SharpCase):
     with x64_mode():
 
         def loss(*p):
-            out = float64_attention(case, documents, *p)
+            out = float64_attention(case.prior_inside, documents, *p)
             return jnp.sum(out * cotangent), out
 
         args = [jnp.asarray(primals[name], jnp.float64) for name in PRIMALS]

@@ -31,8 +31,8 @@ from bam_jax.attention import dot_product_attention
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.kernels import cpu
 from bam_jax.pallas_attention import pallas_attention
-from bam_jax.priors import GGD_EPS
 from tests.cpu_compiler import needs_compiler
+from tests.test_backward_precision import float64_attention
 from tests.test_pallas_attention import (
     Case,
     attention_kwargs,
@@ -42,6 +42,7 @@ from tests.test_pallas_attention import (
     run_kernel,
     run_reference,
 )
+from tests.test_x64 import x64_mode
 
 pytestmark = needs_compiler
 REPO = Path(__file__).resolve().parents[1]
@@ -308,31 +309,6 @@ def test_the_portable_build_matches_the_reference(monkeypatch: pytest.MonkeyPatc
     check_values(VALUE_CASES["long_prefill_two_tasks_many_key_tiles"], "cpu")
 
 
-def float64_causal_ggd_ssmax_attention(case: Case, inputs: dict) -> np.ndarray:
-    """The case's attention (causal, GGD training-form prior inside SSMax, no documents) in
-    float64 numpy, every [T, S] array materialised."""
-    q, k, v = (np.asarray(inputs[name], np.float64) for name in ("q", "k", "v"))
-    groups = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
-    scores_BxHxTxS = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
-    distance_TxS = np.arange(case.keys)[None, :] - (np.arange(case.q_len) + case.offset)[:, None]
-    prior = inputs["prior"]
-    alpha, beta, theta_mu = (
-        np.asarray(x, np.float64)[:, None, None]
-        for x in (prior.theta_alpha_H, prior.theta_beta_H, prior.theta_mu_H)
-    )
-    mu = np.exp(theta_mu) - np.exp(-theta_mu)
-    bias_HxTxS = -np.exp(alpha) * (np.abs(distance_TxS[None] - mu) + GGD_EPS) ** beta
-    visible_TxS = distance_TxS <= 0
-    log_n_T = np.log(visible_TxS.sum(-1))
-    factor_HxTx1 = np.asarray(inputs["ssmax"], np.float64)[:, None, None] * log_n_T[None, :, None]
-    inside = (scores_BxHxTxS + bias_HxTxS[None]) * factor_HxTx1[None]
-    logits = np.where(visible_TxS, inside, -np.inf)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    return np.einsum("bhts,bshd->bthd", probs, v)
-
-
 def test_sharp_logits_that_keep_raising_the_row_shift() -> None:
     # Logits spread over hundreds of log2 units: within a tile, later (farther) keys beat the
     # row's shift by more than the kernel's slack, so stored probabilities are rescaled. At
@@ -343,7 +319,13 @@ def test_sharp_logits_that_keep_raising_the_row_shift() -> None:
     case = Case(q_len=200, kv_len=700, offset=500, ssmax=True, betas=(-0.6, 0.0, 0.5))
     inputs = make_inputs(case)
     sharp = dict(inputs, q=inputs["q"] * 12.0)
-    exact = float64_causal_ggd_ssmax_attention(case, sharp)
+    with x64_mode():
+        prior_arrays = jax.tree.leaves(sharp["prior"])
+        arrays = (sharp["q"], sharp["k"], sharp["v"], *prior_arrays, sharp["ssmax"])
+        exact_attention = functools.partial(
+            float64_attention, case.prior_inside, None, query_offset=case.offset
+        )
+        exact = np.asarray(jax.jit(exact_attention)(*(jnp.asarray(x, jnp.float64) for x in arrays)))
     kwargs = attention_kwargs(case, sharp, implementation="blockwise", block_q=None, block_k=None)
     blockwise = jax.jit(functools.partial(dot_product_attention, **kwargs))(
         sharp["q"], sharp["k"], sharp["v"]
