@@ -7,6 +7,11 @@ import numpy as np
 from bam_configs.presets import preset
 from bam_configs.training import DataConfig, TrainConfig
 
+# The compiled train step holds the schedule, so it differs with `steps` and the lrs: the
+# short runs of the resume, path, disk and preflight tests take this many steps at the
+# preset's lrs and share one step program through the session's compilation cache.
+SHORT_RUN_STEPS = 4
+
 WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "green", "blue", "sun", "sky")
 
 

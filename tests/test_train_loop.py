@@ -120,7 +120,7 @@ def test_non_finite_loss_leaves_a_checkpoint_that_resumes(tmp_path, corpus, lr):
     NaN. The checkpoint named good must train on at a sane lr, and must still be there with
     keep_last=1, although a newer (bad) checkpoint was written after it."""
     workdir = str(tmp_path)
-    cfg = small_config(corpus, steps=8, checkpoint_every=1, eval_every=0, keep_last=1)
+    cfg = small_config(corpus, checkpoint_every=1, eval_every=0, keep_last=1)
     train(cfg, workdir, stop_after=3)
     huge = dataclasses.replace(cfg.optim, lr=lr, prior_lr=lr, ssmax_lr=lr)
     with pytest.raises(NonFiniteLossError, match=r"last good checkpoint is step (\d+)") as error:
@@ -147,7 +147,7 @@ def overflowing_optimizer(*args) -> optax.GradientTransformation:
 
 def test_an_update_that_overflows_the_state_is_not_saved(tmp_path, corpus, monkeypatch):
     workdir = str(tmp_path)
-    cfg = small_config(corpus, steps=8, checkpoint_every=1, eval_every=0)
+    cfg = small_config(corpus, checkpoint_every=1, eval_every=0)
     train(cfg, workdir, stop_after=2)
 
     monkeypatch.setattr(train_setup, "make_optimizer", overflowing_optimizer)
@@ -220,8 +220,8 @@ def test_resuming_with_another_model_is_an_error(full_run, corpus):
 
 
 def test_steps_that_do_not_log_read_nothing_back(tmp_path, corpus, monkeypatch):
-    """Metrics stay on the device between log and checkpoint steps: 8 steps logging every
-    4th read them back twice, not once per step."""
+    """Metrics stay on the device between log and checkpoint steps: 12 steps logging every
+    4th read them back three times, not once per step."""
     reads = []
     device_get = jax.device_get
 
@@ -231,16 +231,16 @@ def test_steps_that_do_not_log_read_nothing_back(tmp_path, corpus, monkeypatch):
         return device_get(tree)
 
     monkeypatch.setattr(train_loop.jax, "device_get", counting_device_get)
-    cfg = small_config(corpus, steps=8, log_every=4, checkpoint_every=8, eval_every=0)
+    cfg = small_config(corpus, log_every=4, checkpoint_every=8, eval_every=0)
     result = train(cfg, str(tmp_path))
-    assert len(reads) == 2
-    assert [step for step, _ in losses(str(tmp_path))] == [4, 8]
+    assert len(reads) == 3
+    assert [step for step, _ in losses(str(tmp_path))] == [4, 8, 12]
     assert result.last_loss == losses(str(tmp_path))[-1][1]
 
 
 def test_a_non_finite_step_between_log_steps_is_never_saved(tmp_path, corpus, monkeypatch):
     workdir = str(tmp_path)
-    cfg = small_config(corpus, steps=8, log_every=5, checkpoint_every=2, eval_every=0)
+    cfg = small_config(corpus, log_every=5, checkpoint_every=2, eval_every=0)
     train(cfg, workdir, stop_after=2)
 
     monkeypatch.setattr(train_setup, "make_optimizer", overflowing_optimizer)
@@ -251,7 +251,7 @@ def test_a_non_finite_step_between_log_steps_is_never_saved(tmp_path, corpus, mo
 
 def test_throughput_leaves_out_the_compiling_first_step(tmp_path, corpus):
     workdir = str(tmp_path)
-    train(small_config(corpus, steps=3, eval_every=0), workdir)
+    train(small_config(corpus, eval_every=0), workdir, stop_after=3)
     records = [r for r in read_metrics(workdir) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert "tokens_per_s" not in records[0] and "step_time_s" not in records[0]
@@ -260,8 +260,8 @@ def test_throughput_leaves_out_the_compiling_first_step(tmp_path, corpus):
 
 def test_data_is_read_by_threads_and_runs_stay_identical(tmp_path, corpus):
     assert DataConfig().num_threads > 0 and DataConfig().prefetch > 0
-    cfg = small_config(corpus, steps=4, eval_every=2)
-    runs = [train(cfg, str(tmp_path / name)) for name in ("a", "b")]
+    cfg = small_config(corpus, eval_every=2)
+    runs = [train(cfg, str(tmp_path / name), stop_after=4) for name in ("a", "b")]
     assert losses(str(tmp_path / "a")) == losses(str(tmp_path / "b"))
     assert val_losses(str(tmp_path / "a")) == val_losses(str(tmp_path / "b"))
     for a, b in zip(*(jax.tree.leaves(r.state.params) for r in runs), strict=True):
@@ -273,11 +273,13 @@ def test_progress_is_logged_once_per_log_step_with_a_summary_first(
 ):
     workdir = str(tmp_path / "run")
     caplog.set_level(logging.INFO, logger="bam.train")
-    train(small_config(corpus, steps=4), workdir)  # log_every 1, eval_every 4
+    train(small_config(corpus), workdir)  # log_every 1, eval_every 4
     summary = capsys.readouterr().out
     assert "parameters" in summary and "mesh" in summary and workdir in summary
     lines = [r.getMessage() for r in caplog.records if r.name == "bam.train"]
-    assert [line.split()[1] for line in lines if " loss " in line] == ["1/4", "2/4", "3/4", "4/4"]
-    assert [line.split()[1] for line in lines if "val_loss" in line] == ["4/4"]
-    assert all("eta" in line for line in lines if " loss " in line and "1/4" not in line)
+    steps = [f"{step}/{STEPS}" for step in range(1, STEPS + 1)]
+    assert [line.split()[1] for line in lines if " loss " in line] == steps
+    assert [line.split()[1] for line in lines if "val_loss" in line] == steps[3::4]
+    later_steps = [line for line in lines if " loss " in line and line.split()[1] != steps[0]]
+    assert len(later_steps) == STEPS - 1 and all("eta" in line for line in later_steps)
     assert all(r["time"] > 1.7e9 for r in read_metrics(workdir))

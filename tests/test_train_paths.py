@@ -26,10 +26,10 @@ from bam_train.loop import train
 from bam_train.metrics import MetricsWriter, read_metrics
 from bam_train.resume import prepare_workdir
 from bam_train.shards import write_shards
-from tests.byte_runs import byte_text_config, write_word_corpus
+from tests.byte_runs import SHORT_RUN_STEPS, byte_text_config, write_word_corpus
 from tests.run_metrics import records_without_time
 
-STEPS = 2
+STEPS = SHORT_RUN_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +38,7 @@ def corpus(tmp_path_factory) -> str:
 
 
 def small_config(corpus: str):
-    return byte_text_config(
-        corpus,
-        seq_len=32,
-        val_rows=4,
-        steps=STEPS,
-        batch_size=2,
-        eval_every=0,
-        checkpoint_every=STEPS,
-    )
+    return byte_text_config(corpus, steps=STEPS, eval_every=0, checkpoint_every=STEPS)
 
 
 def test_urls_pass_through_and_local_paths_become_absolute(tmp_path, monkeypatch):
@@ -85,7 +77,7 @@ def test_a_gs_workdir_without_its_client_stops_before_the_build(tmp_path, monkey
 
 def _assert_trained_run(run: str) -> None:
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [str(STEPS)]
-    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, STEPS + 1))
     config = json.loads(pathlib.Path(run, "config.json").read_text())
     assert config["steps"] == STEPS
     assert os.listdir(os.path.join(run, "tensorboard"))

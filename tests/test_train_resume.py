@@ -21,12 +21,12 @@ from bam_train.checkpoint import read_config
 from bam_train.loop import train
 from bam_train.metrics import MetricsWriter, read_metrics
 from bam_train.state import ModelParts
-from tests.byte_runs import byte_text_config, write_word_corpus
+from tests.byte_runs import SHORT_RUN_STEPS, byte_text_config, write_word_corpus
 from tests.checkpoint_damage import rewrite_floats, shift_floats
 from tests.grids import slow_unless
 from tests.run_metrics import records_without_time, tensorboard_scalars
 
-STEPS = 4
+STEPS = SHORT_RUN_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +136,10 @@ def test_a_checkpoint_without_checksums_still_loads_and_resumes(base_run, workdi
     shutil.rmtree(os.path.join(workdir, "checkpoints", str(STEPS), "checksums"))
     for a, b in zip(params_of(workdir), params_of(base_run[0]), strict=True):
         np.testing.assert_array_equal(a, b)
-    result = train(small_config(corpus, steps=STEPS + 1), workdir)
+    result = train(small_config(corpus, steps=STEPS + 2), workdir)
     output = capsys.readouterr().out
     assert f"resumed from step {STEPS}" in output and "cannot be read" not in output
-    assert result.step == STEPS + 1
+    assert result.step == STEPS + 2
 
 
 def test_no_restorable_checkpoint_is_an_error_that_moves_nothing(workdir, corpus):
