@@ -7,9 +7,6 @@ import numpy as np
 from bam_configs.presets import preset
 from bam_configs.training import DataConfig, TrainConfig
 
-# The compiled train step holds the schedule, so it differs with `steps` and the lrs: the
-# short runs of the resume, path, disk and preflight tests take this many steps at the
-# preset's lrs and share one step program through the session's compilation cache.
 SHORT_RUN_STEPS = 4
 
 WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "green", "blue", "sun", "sky")
@@ -39,3 +36,10 @@ def byte_text_config(
         log_every=1,
     )
     return cfg.replace(**{**fields, **changes})
+
+
+def short_run_config(corpus: str, **changes) -> TrainConfig:
+    """`byte_text_config` for SHORT_RUN_STEPS steps without validation. The compiled train
+    step holds the schedule, so it differs with `steps` and the lrs: short runs built here
+    share one step program through the session's compilation cache."""
+    return byte_text_config(corpus, **{**dict(steps=SHORT_RUN_STEPS, eval_every=0), **changes})

@@ -17,7 +17,7 @@ from bam_train.data import BatchLayout, val_batches
 from bam_train.dry_run import dry_run, format_dry_run
 from bam_train.setup import build
 from bam_train.shards import write_shards
-from tests.byte_runs import SHORT_RUN_STEPS, byte_text_config
+from tests.byte_runs import short_run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_PRESETS = [f"{size}_{context}" for size in PAPER_SIZES for context in PAPER_CONTEXTS]
@@ -35,8 +35,7 @@ def shards(tmp_path_factory):
 
 
 def small_config(corpus: str, **changes):
-    fields = dict(steps=SHORT_RUN_STEPS, eval_every=4, eval_batches=2)
-    return byte_text_config(corpus, **{**fields, **changes})
+    return short_run_config(corpus, **{**dict(eval_every=4, eval_batches=2), **changes})
 
 
 @pytest.fixture(scope="module")

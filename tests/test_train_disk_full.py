@@ -15,7 +15,7 @@ import pytest
 from bam_train import checkpoint
 from bam_train.checkpoint import DiskFullError, is_disk_full
 from bam_train.loop import train
-from tests.byte_runs import SHORT_RUN_STEPS, byte_text_config, write_word_corpus
+from tests.byte_runs import short_run_config, write_word_corpus
 from tests.train_runs import run_bam_train, subprocess_environment
 
 # Tensorstore's report of a full disk, as orbax raises it from an array write.
@@ -96,7 +96,7 @@ def test_tensorstores_full_disk_error_stops_the_run_with_the_space_needed(
         raise ValueError(TENSORSTORE_FULL)
 
     monkeypatch.setattr(checkpoint.IteratorSnapshot, "get_state", full_disk)
-    cfg = byte_text_config(corpus, steps=SHORT_RUN_STEPS, checkpoint_every=2, eval_every=0)
+    cfg = short_run_config(corpus, checkpoint_every=2)
     with pytest.raises(DiskFullError, match=r"saving step 2 .* needs about [\d.]+ MiB") as err:
         train(cfg, str(tmp_path))
     assert "no checkpoint is complete yet; the rerun starts from step 0" in str(err.value)

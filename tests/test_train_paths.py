@@ -26,7 +26,7 @@ from bam_train.loop import train
 from bam_train.metrics import MetricsWriter, read_metrics
 from bam_train.resume import prepare_workdir
 from bam_train.shards import write_shards
-from tests.byte_runs import SHORT_RUN_STEPS, byte_text_config, write_word_corpus
+from tests.byte_runs import SHORT_RUN_STEPS, short_run_config, write_word_corpus
 from tests.run_metrics import records_without_time
 
 STEPS = SHORT_RUN_STEPS
@@ -38,7 +38,7 @@ def corpus(tmp_path_factory) -> str:
 
 
 def small_config(corpus: str):
-    return byte_text_config(corpus, steps=STEPS, eval_every=0, checkpoint_every=STEPS)
+    return short_run_config(corpus, checkpoint_every=STEPS)
 
 
 def test_urls_pass_through_and_local_paths_become_absolute(tmp_path, monkeypatch):

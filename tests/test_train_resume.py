@@ -21,7 +21,7 @@ from bam_train.checkpoint import read_config
 from bam_train.loop import train
 from bam_train.metrics import MetricsWriter, read_metrics
 from bam_train.state import ModelParts
-from tests.byte_runs import SHORT_RUN_STEPS, byte_text_config, write_word_corpus
+from tests.byte_runs import SHORT_RUN_STEPS, short_run_config, write_word_corpus
 from tests.checkpoint_damage import rewrite_floats, shift_floats
 from tests.grids import slow_unless
 from tests.run_metrics import records_without_time, tensorboard_scalars
@@ -35,8 +35,7 @@ def corpus(tmp_path_factory) -> str:
 
 
 def small_config(corpus, **changes):
-    fields = dict(steps=STEPS, eval_every=0, checkpoint_every=2)
-    return byte_text_config(corpus, **{**fields, **changes})
+    return short_run_config(corpus, **{**dict(checkpoint_every=2), **changes})
 
 
 @pytest.fixture(scope="module")
