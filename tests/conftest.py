@@ -7,6 +7,8 @@ import tempfile
 import jax
 import pytest
 
+pytest_plugins = ("tests.compile_report",)
+
 _OWNED_CACHES = pytest.StashKey[list[str]]()
 
 
