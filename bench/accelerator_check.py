@@ -753,18 +753,18 @@ def measure_training(cfg, settings: Settings, deadline: Deadline) -> dict[str, f
     setup = build(cfg)
     start = time.perf_counter()
     compiled = setup.train_step.lower(
-        setup.abstract_sharded_state(), setup.abstract_batch()
+        setup.abstract_sharded_state(), setup.abstract_batch(), setup.step_values
     ).compile()
     compile_s = time.perf_counter() - start
     state = setup.init()
     batch = setup.global_batch(next(train_iterator(cfg.data, cfg.seq_len, 0, setup.layout())))
     for _ in range(2):  # warm-up
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch, setup.step_values)
     jax.block_until_ready(metrics)
     times: list[float] = []
     while len(times) < settings.train_steps and deadline.remaining() > 10 * max(times, default=0):
         start = time.perf_counter()
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch, setup.step_values)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)

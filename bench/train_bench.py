@@ -59,18 +59,18 @@ def measure(cfg: TrainConfig, steps: int, warmup: int = 2) -> dict[str, float]:
     setup = build(cfg)
     start = time.perf_counter()
     compiled = setup.train_step.lower(
-        setup.abstract_sharded_state(), setup.abstract_batch()
+        setup.abstract_sharded_state(), setup.abstract_batch(), setup.step_values
     ).compile()
     compile_s = time.perf_counter() - start
     state = setup.init()
     batch = setup.global_batch(next(train_iterator(cfg.data, cfg.seq_len, 0, setup.layout())))
     for _ in range(warmup):
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch, setup.step_values)
     jax.block_until_ready(metrics)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch, setup.step_values)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)

@@ -44,7 +44,7 @@ def workdir(tmp_path_factory) -> Path:
         data=DataConfig(source="passkey", tokenizer="byte"),
     )
     parts, _, _ = ModelParts.from_config(cfg.model)
-    state = init_state(cfg.model, parts, make_optimizer(cfg.optim, cfg.steps, parts.labels), 0)
+    state = init_state(cfg.model, parts, make_optimizer(cfg.optim, parts.labels), 0)
     path = tmp_path_factory.mktemp("workdir") / "run"
     checkpointer = Checkpointer(str(path), cfg)
     checkpointer.save(3, state, {}, cfg.to_dict())

@@ -49,9 +49,7 @@ def _assert_same_tree(restored, expected) -> None:
 def test_params_only_load_equals_the_saved_training_state(tmp_path) -> None:
     cfg = _config()
     parts, _, _ = ModelParts.from_config(cfg.model)
-    state = _save(
-        tmp_path / "run", cfg, make_optimizer(cfg.optim, cfg.steps, parts.labels), cfg.to_dict()
-    )
+    state = _save(tmp_path / "run", cfg, make_optimizer(cfg.optim, parts.labels), cfg.to_dict())
     saved = load_params(tmp_path / "run")
     assert saved.step == 5 and saved.config == cfg.model
     _assert_same_tree(saved.params, state.params)

@@ -20,7 +20,7 @@ from bam_jax.positional import apply_rope, sinusoidal_embedding
 from bam_jax.priors import GGDPrior, alibi_slopes
 from bam_train.data import train_iterator
 from bam_train.setup import build
-from bam_train.step import layer_factors
+from bam_train.step import StepValues, layer_factors
 
 MODEL = ModelConfig.of_size(
     "nano", encoding="bam_ssmax", n_layers=3, ssmax_capped_layers=1, attention_impl="reference"
@@ -31,8 +31,12 @@ def jitter_config(jitter: float, seed: int = 0) -> TrainConfig:
     return TrainConfig(model=MODEL, ssmax_jitter=jitter, seed=seed)
 
 
+def factors_of(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> LayerFactors | None:
+    return layer_factors(cfg, StepValues.of(cfg), step, micro_batches)
+
+
 def ssmax_jitter_factors(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> jax.Array:
-    factors = layer_factors(cfg, step, micro_batches)
+    factors = factors_of(cfg, step, micro_batches)
     assert factors.prior_dilation_L is None
     return factors.ssmax_scale_L
 
@@ -62,7 +66,7 @@ def test_windowed_layers_are_not_jittered():
 
 
 def test_no_jitter_and_no_dilation_give_no_factors():
-    assert layer_factors(jitter_config(0.0), jnp.int32(3), 1) is None
+    assert factors_of(jitter_config(0.0), jnp.int32(3), 1) is None
 
 
 hidden_states = nnx.jit(Transformer.hidden_states)
@@ -132,7 +136,7 @@ def test_bad_jitter_settings_name_the_field(changes, message):
 def first_step_loss(cfg: TrainConfig) -> float:
     setup = build(cfg)
     batch = setup.global_batch(next(train_iterator(cfg.data, cfg.seq_len, 0, setup.layout())))
-    _, metrics = setup.train_step(setup.init(), batch)
+    _, metrics = setup.train_step(setup.init(), batch, setup.step_values)
     return float(metrics["loss"])
 
 
@@ -173,7 +177,7 @@ def test_a_dilated_prior_is_the_prior_at_longer_distances():
 def test_dilations_are_log_uniform_for_the_global_layers_and_follow_seed_and_step():
     cfg = dilation_config(500.0, local_layers=1, ssmax_capped_layers=0)
     dilations = np.concatenate(
-        [np.asarray(layer_factors(cfg, jnp.int32(s), 4).prior_dilation_L) for s in range(64)]
+        [np.asarray(factors_of(cfg, jnp.int32(s), 4).prior_dilation_L) for s in range(64)]
     )
     assert dilations.shape == (256, 3)
     np.testing.assert_array_equal(dilations[:, 0], 1.0)
@@ -182,15 +186,15 @@ def test_dilations_are_log_uniform_for_the_global_layers_and_follow_seed_and_ste
     logs = np.log(dilations[:, 1]) / math.log(500.0)
     assert abs(np.median(logs) - 0.5) < 0.1, "draws should be uniform in log"
     assert logs.min() < 0.05 and logs.max() > 0.95
-    again = np.asarray(layer_factors(cfg, jnp.int32(9), 4).prior_dilation_L)
+    again = np.asarray(factors_of(cfg, jnp.int32(9), 4).prior_dilation_L)
     np.testing.assert_array_equal(again, dilations[36:40])
-    other = layer_factors(dilation_config(500.0, seed=1, local_layers=1), jnp.int32(9), 4)
+    other = factors_of(dilation_config(500.0, seed=1, local_layers=1), jnp.int32(9), 4)
     assert not np.array_equal(np.asarray(other.prior_dilation_L), dilations[36:40])
 
 
 def test_dilation_and_jitter_draw_apart():
-    both = layer_factors(dilation_config(500.0).replace(ssmax_jitter=0.5), jnp.int32(5), 2)
-    jitter_only = layer_factors(jitter_config(0.5), jnp.int32(5), 2)
+    both = factors_of(dilation_config(500.0).replace(ssmax_jitter=0.5), jnp.int32(5), 2)
+    jitter_only = factors_of(jitter_config(0.5), jnp.int32(5), 2)
     np.testing.assert_array_equal(both.ssmax_scale_L, jitter_only.ssmax_scale_L)
     assert both.prior_dilation_L.shape == (2, 3)
 

@@ -1,6 +1,7 @@
 """End-to-end training on CPU: loss falls, checkpoints, exact resume, NaN stop, dry run."""
 
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
@@ -138,11 +139,18 @@ def overflowing_optimizer(*args) -> optax.GradientTransformation:
     """The project's optimizer, with every update multiplied by infinity."""
     tx = make_optimizer(*args)
 
-    def update(grads, state, params=None):
-        updates, state = tx.update(grads, state, params)
+    def update(grads, state, params=None, **extra_args):
+        updates, state = tx.update(grads, state, params, **extra_args)
         return jax.tree.map(lambda u: u * np.inf, updates), state
 
-    return optax.GradientTransformation(tx.init, update)
+    return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def use_overflowing_optimizer(monkeypatch) -> None:
+    """Builds from here on use `overflowing_optimizer`, in programs of their own."""
+    monkeypatch.setattr(train_setup, "make_optimizer", overflowing_optimizer)
+    fresh_cache = functools.lru_cache(train_setup._programs.__wrapped__)
+    monkeypatch.setattr(train_setup, "_programs", fresh_cache)
 
 
 def test_an_update_that_overflows_the_state_is_not_saved(tmp_path, corpus, monkeypatch):
@@ -150,7 +158,7 @@ def test_an_update_that_overflows_the_state_is_not_saved(tmp_path, corpus, monke
     cfg = small_config(corpus, checkpoint_every=1, eval_every=0)
     train(cfg, workdir, stop_after=2)
 
-    monkeypatch.setattr(train_setup, "make_optimizer", overflowing_optimizer)
+    use_overflowing_optimizer(monkeypatch)
     with pytest.raises(NonFiniteLossError, match=r"update of step 3 .* checkpoint is step 2"):
         train(cfg, workdir)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
@@ -205,8 +213,12 @@ def test_gradient_accumulation_matches_one_large_batch(corpus):
     assert two_passes.cfg.accum_steps == 2
     batch = next(train_iterator(cfg.data, cfg.seq_len, cfg.seed, one_pass.layout()))
     split = {k: v.reshape(2, 2, *v.shape[2:]) for k, v in batch.items()}
-    state_a, metrics_a = one_pass.train_step(one_pass.init(), one_pass.global_batch(batch))
-    state_b, metrics_b = two_passes.train_step(two_passes.init(), two_passes.global_batch(split))
+    state_a, metrics_a = one_pass.train_step(
+        one_pass.init(), one_pass.global_batch(batch), one_pass.step_values
+    )
+    state_b, metrics_b = two_passes.train_step(
+        two_passes.init(), two_passes.global_batch(split), two_passes.step_values
+    )
     np.testing.assert_allclose(float(metrics_a["loss"]), float(metrics_b["loss"]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(state_a.params), jax.tree.leaves(state_b.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
@@ -243,7 +255,7 @@ def test_a_non_finite_step_between_log_steps_is_never_saved(tmp_path, corpus, mo
     cfg = small_config(corpus, log_every=5, checkpoint_every=2, eval_every=0)
     train(cfg, workdir, stop_after=2)
 
-    monkeypatch.setattr(train_setup, "make_optimizer", overflowing_optimizer)
+    use_overflowing_optimizer(monkeypatch)
     with pytest.raises(NonFiniteLossError, match=r"update of step 3 .* checkpoint is step 2"):
         train(cfg, workdir)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]

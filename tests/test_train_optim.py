@@ -8,7 +8,7 @@ import pytest
 
 from bam_configs.training import OptimConfig
 from bam_jax.config import ModelConfig
-from bam_train.optim import learning_rates, make_optimizer, schedule
+from bam_train.optim import ScheduleValues, learning_rate, learning_rates, make_optimizer
 from bam_train.state import ModelParts
 
 
@@ -32,9 +32,9 @@ def test_groups_follow_variable_types(parts_and_params):
 def test_weight_decay_only_on_matrices_and_own_learning_rates(parts_and_params):
     parts, params = parts_and_params
     cfg = OptimConfig(lr=0.1, prior_lr=0.01, ssmax_lr=0.001, weight_decay=0.5, clip_norm=0.0)
-    tx = make_optimizer(cfg, total_steps=10, labels=parts.labels)
+    tx = make_optimizer(cfg, parts.labels)
     zero_grads = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = tx.update(zero_grads, tx.init(params), params)
+    updates, _ = tx.update(zero_grads, tx.init(params), params, schedule=ScheduleValues.of(cfg, 10))
     # With zero gradients only the decoupled decay moves a parameter: -lr * wd * p.
     np.testing.assert_allclose(updates["layers"][0]["attention"]["wq"]["kernel"], -0.05)
     np.testing.assert_allclose(updates["tok_embeddings"]["embedding"], -0.05)
@@ -44,8 +44,9 @@ def test_weight_decay_only_on_matrices_and_own_learning_rates(parts_and_params):
 
     grads = jax.tree.map(jnp.ones_like, params)
     no_decay = OptimConfig(lr=0.1, prior_lr=0.01, ssmax_lr=0.001, weight_decay=0.0, clip_norm=0)
-    tx = make_optimizer(no_decay, total_steps=10, labels=parts.labels)
-    updates, _ = tx.update(grads, tx.init(params), params)
+    tx = make_optimizer(no_decay, parts.labels)
+    schedule = ScheduleValues.of(no_decay, 10)
+    updates, _ = tx.update(grads, tx.init(params), params, schedule=schedule)
     # RAdam's first step is momentum SGD: the update is -lr * g with bias correction.
     np.testing.assert_allclose(updates["norm"]["weight"], -0.1, rtol=1e-5)
     np.testing.assert_allclose(updates["prior"]["theta_alpha"], -0.01, rtol=1e-5)
@@ -53,23 +54,73 @@ def test_weight_decay_only_on_matrices_and_own_learning_rates(parts_and_params):
 
 
 def test_schedule_warmup_cosine_and_final_fraction():
-    cfg = OptimConfig(lr=1.0, warmup_steps=4, final_lr_fraction=0.1)
-    lr = schedule(1.0, cfg, total_steps=14)
+    values = ScheduleValues.of(OptimConfig(lr=1.0, warmup_steps=4, final_lr_fraction=0.1), 14)
+
+    def lr(step: int) -> float:
+        return float(learning_rate(values, "decay", jnp.int32(step)))
+
     np.testing.assert_allclose([lr(s) for s in range(4)], [0.25, 0.5, 0.75, 1.0])
     np.testing.assert_allclose(lr(9), 0.55, rtol=1e-6)
     np.testing.assert_allclose(lr(14), 0.1, rtol=1e-6)
     np.testing.assert_allclose(lr(100), 0.1, rtol=1e-6)
-    no_warmup = schedule(1.0, OptimConfig(), total_steps=10)
-    assert float(no_warmup(0)) == 1.0
-    assert learning_rates(OptimConfig(prior_lr=0.5), 10, 0)["prior_lr"] == 0.5
+    no_warmup = ScheduleValues.of(OptimConfig(lr=1.0), 10)
+    assert float(learning_rate(no_warmup, "decay", jnp.int32(0))) == 1.0
+    assert learning_rates(ScheduleValues.of(OptimConfig(prior_lr=0.5), 10), 0)["prior_lr"] == 0.5
+
+
+def optax_warmup_cosine(peak: float, cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """The schedule built from optax's cosine schedule with the numbers as constants."""
+    cosine = optax.cosine_decay_schedule(
+        peak, max(total_steps - cfg.warmup_steps, 1), alpha=cfg.final_lr_fraction
+    )
+    if cfg.warmup_steps == 0:
+        return cosine
+    warmup = cfg.warmup_steps
+
+    def warmup_then_cosine(step: jax.Array) -> jax.Array:
+        return jnp.where(step < warmup, peak * (step + 1) / warmup, cosine(step - warmup))
+
+    return warmup_then_cosine
+
+
+@pytest.mark.parametrize(
+    "cfg, total_steps",
+    [
+        (OptimConfig(lr=3e-3, prior_lr=3e-2, ssmax_lr=1e-2, warmup_steps=20), 5000),
+        (OptimConfig(lr=1e-3, final_lr_fraction=0.3), 1500),
+        (OptimConfig(lr=7e-4, warmup_steps=3, final_lr_fraction=0.0), 7),
+        (
+            OptimConfig(
+                lr=2.5e-4, prior_lr=0.1, ssmax_lr=7e-3, warmup_steps=13, final_lr_fraction=0.05
+            ),
+            977,
+        ),
+    ],
+)
+def test_schedule_values_round_as_optax_constants_do(cfg, total_steps):
+    # The compiled schedule takes its numbers as arrays; it must give the learning rates of
+    # the schedule that held them as constants, bit for bit.
+    steps = jnp.arange(total_steps + 10, dtype=jnp.int32)
+    values = ScheduleValues.of(cfg, total_steps)
+    for group, peak in (("decay", cfg.lr), ("prior", cfg.prior_lr), ("ssmax", cfg.ssmax_lr)):
+        as_values = jax.jit(jax.vmap(lambda v, s, g=group: learning_rate(v, g, s), (None, 0)))
+        as_constants = jax.jit(jax.vmap(optax_warmup_cosine(peak, cfg, total_steps)))
+        np.testing.assert_array_equal(as_values(values, steps), as_constants(steps))
+
+
+def test_an_update_without_schedule_values_says_what_it_needs(parts_and_params):
+    parts, params = parts_and_params
+    tx = make_optimizer(OptimConfig(), parts.labels)
+    with pytest.raises(TypeError, match=r"schedule=ScheduleValues.of"):
+        tx.update(params, tx.init(params), params)
 
 
 def test_clipping_by_global_norm(parts_and_params):
     parts, params = parts_and_params
     cfg = OptimConfig(lr=1.0, weight_decay=0.0, clip_norm=1.0)
-    tx = make_optimizer(cfg, total_steps=10, labels=parts.labels)
+    tx = make_optimizer(cfg, parts.labels)
     huge = jax.tree.map(lambda p: jnp.full_like(p, 1e6), params)
-    updates, _ = tx.update(huge, tx.init(params), params)
+    updates, _ = tx.update(huge, tx.init(params), params, schedule=ScheduleValues.of(cfg, 10))
     assert float(optax.tree.norm(updates)) == pytest.approx(1.0, rel=1e-3)
 
 
@@ -104,11 +155,13 @@ def test_torch_numerics_step_as_torch_radam_does(numerics):
     grads_SxN = rng.normal(size=(12, 6)) * np.array([1e-8, 3e-8, 1e-7, 1e-3, 1e-1, 1.0])
     grads_SxN[3] *= 100.0
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, final_lr_fraction=1.0, numerics=numerics)
-    tx = make_optimizer(cfg, total_steps=12, labels={"w": "decay"})
+    tx = make_optimizer(cfg, {"w": "decay"})
+    schedule = ScheduleValues.of(cfg, 12)
     params = {"w": jnp.ones((1, 6), jnp.float32)}
     state = tx.init(params)
     for grad in grads_SxN:
-        updates, state = tx.update({"w": jnp.asarray(grad[None], jnp.float32)}, state, params)
+        grad_1xN = {"w": jnp.asarray(grad[None], jnp.float32)}
+        updates, state = tx.update(grad_1xN, state, params, schedule=schedule)
         params = optax.apply_updates(params, updates)
     expected = torch_radam_steps(grads_SxN, lr=1e-2, wd=0.1)
     error = np.abs(np.asarray(params["w"][0], np.float64) - expected).max()
@@ -126,6 +179,6 @@ def test_numerics_must_be_named():
 @pytest.mark.parametrize("numerics", ["optax", "torch"])
 def test_optimizer_state_can_be_donated(parts_and_params, numerics):
     parts, params = parts_and_params
-    tx = make_optimizer(OptimConfig(numerics=numerics), total_steps=10, labels=parts.labels)
+    tx = make_optimizer(OptimConfig(numerics=numerics), parts.labels)
     donated = jax.jit(lambda state: state, donate_argnums=0)(tx.init(params))
     assert jax.tree.structure(donated) == jax.tree.structure(tx.init(params))

@@ -59,7 +59,8 @@ def losses(mesh, devices):
     data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, setup.layout())
     out = []
     for _ in range(cfg.steps):
-        state, metrics = setup.train_step(state, setup.global_batch(next(data)))
+        batch = setup.global_batch(next(data))
+        state, metrics = setup.train_step(state, batch, setup.step_values)
         out.append(float(metrics["loss"]))
     return out
 

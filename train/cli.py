@@ -44,6 +44,7 @@ from ml_collections import ConfigDict, config_flags
 
 from bam_configs.presets import TRAINING_PRESETS, preset
 from bam_configs.training import TrainConfig, describe_type, field_type, to_config_dict
+from bam_jax.compilation_cache import use_compilation_cache
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_train.checkpoint import DiskFullError, quiet_full_disk_reports
@@ -269,6 +270,14 @@ def define_flags(
         "cluster: always jax.distributed.initialize() without arguments; off: one process.",
         flag_values=flag_values,
     )
+    flags.DEFINE_string(
+        "compilation_cache",
+        None,
+        "Folder of compiled programs kept between runs (default "
+        "$BAM_JAX_COMPILATION_CACHE, else ~/.cache/bam_jax/xla); off: compile every program "
+        "anew.",
+        flag_values=flag_values,
+    )
     flags.DEFINE_enum(
         "cpu_collectives",
         "gloo",
@@ -392,6 +401,11 @@ def run(argv: list[str]) -> int:
         return 0
     if not flag_values.workdir and not flag_values.dry_run:
         print("error: --workdir is required", file=sys.stderr)
+        return 2
+    try:
+        use_compilation_cache(flag_values.compilation_cache)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     initialize_distributed(flag_values)
     quiet_orphaned_checkpoint_reads()

@@ -33,7 +33,9 @@ def dry_run(setup: Setup) -> dict[str, Any]:
     train_batch = setup.global_batch(next(data))
     val = validation_set(setup, layout)
     state = setup.abstract_sharded_state()
-    train_compiled, train_s = _compile("train step", setup.train_step, state, train_batch)
+    train_compiled, train_s = _compile(
+        "train step", setup.train_step, state, train_batch, setup.step_values
+    )
     report: dict[str, Any] = {
         "params": count_params(setup.abstract_state.params),
         "mesh": dict(setup.mesh.shape),

@@ -104,7 +104,7 @@ class _Run:
             while step < end:
                 profiler.before(step)
                 batch = self.setup.global_batch(next(self.data))
-                state, metrics = self.setup.train_step(state, batch)
+                state, metrics = self.setup.train_step(state, batch, self.setup.step_values)
                 step += 1
                 profiler.after(step)
                 if step == first:
@@ -223,11 +223,10 @@ class _Run:
         out the first step of a `train` call (it compiles) and the time spent validating; a
         record whose window holds no other step has none of them.
         """
-        cfg = self.setup.cfg
         record = {
             "loss": loss,
             "grad_norm": grad_norm,
-            **learning_rates(cfg.optim, cfg.steps, step - 1),
+            **learning_rates(self.setup.step_values.schedule, step - 1),
             "trained_tokens": float(metrics["trained_tokens"]),
         }
         if self._window_steps:

@@ -1,6 +1,7 @@
 """The optimizer: RAdam with decoupled weight decay on >=2-D ordinary weights only, its own
 learning rate for prior and SSMax parameters, a warmup + cosine schedule, and global-norm
-clipping. Parameter groups are decided by the model's variable types.
+clipping. Parameter groups are decided by the model's variable types. The schedule's numbers
+reach the update as values (`ScheduleValues`), not as constants of the compiled program.
 
 `OptimConfig.numerics` chooses between two roundings of the same algorithm: "optax" adds eps
 to sqrt(v_hat), the bias-corrected second moment, and clips by max_norm / norm; "torch", as
@@ -14,7 +15,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from flax import struct
 
 from bam_configs.training import OptimConfig
 
@@ -22,44 +25,97 @@ RADAM_THRESHOLD = 5.0
 TORCH_CLIP_EPS = 1e-6
 
 
-def schedule(peak: float, cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup to `peak` over `warmup_steps` (first step at peak / warmup_steps), then
-    cosine decay to `final_lr_fraction * peak` at `total_steps`."""
-    warmup = cfg.warmup_steps
-    cosine = optax.cosine_decay_schedule(
-        peak, decay_steps=max(total_steps - warmup, 1), alpha=cfg.final_lr_fraction
-    )
-    if warmup == 0:
-        return cosine
+@struct.dataclass
+class ScheduleValues:
+    """The numbers of the learning-rate schedule, which the train step takes as arrays, so
+    that one compiled step serves every learning rate, warmup and run length.
 
-    def warmup_then_cosine(step: jax.Array) -> jax.Array:
-        ramp = peak * (step + 1) / warmup
-        return jnp.where(step < warmup, ramp, cosine(step - warmup))
+    The schedule is written in the form XLA folds optax's warmup + cosine schedule into when
+    its numbers are constants of the program (a division by a constant becomes a product
+    with its float32 reciprocal, and products of constants are folded into one), and those
+    constants are computed here in float32 as XLA computes them: a step taking these values
+    gives the learning rates, and so the training, of a step compiled with the numbers as
+    constants, bit for bit."""
 
-    return warmup_then_cosine
+    peak_lr: dict[str, jax.Array]  # float32 [], per parameter group
+    warmup_increment: dict[str, jax.Array]  # float32 []: peak / warmup_steps, per group
+    warmup_steps: jax.Array  # int32 []
+    decay_steps: jax.Array  # float32 []: steps of cosine decay after the warmup, at least 1
+    cosine_angle_step: jax.Array  # float32 []: pi / decay_steps
+    half_span: jax.Array  # float32 []: (1 - final_fraction) / 2
+    final_fraction: jax.Array  # float32 []
+
+    @classmethod
+    def of(cls, cfg: OptimConfig, total_steps: int) -> ScheduleValues:
+        peaks = {"decay": cfg.lr, "no_decay": cfg.lr, "prior": cfg.prior_lr, "ssmax": cfg.ssmax_lr}
+        per_warmup_step = np.float32(1) / np.float32(max(cfg.warmup_steps, 1))
+        decay_steps = np.float32(max(total_steps - cfg.warmup_steps, 1))
+        return cls(
+            peak_lr={group: np.float32(peak) for group, peak in peaks.items()},
+            warmup_increment={
+                group: np.float32(peak) * per_warmup_step for group, peak in peaks.items()
+            },
+            warmup_steps=np.int32(cfg.warmup_steps),
+            decay_steps=decay_steps,
+            cosine_angle_step=np.float32(np.pi) * (np.float32(1) / decay_steps),
+            half_span=np.float32(0.5) * np.float32(1.0 - cfg.final_lr_fraction),
+            final_fraction=np.float32(cfg.final_lr_fraction),
+        )
 
 
-def make_optimizer(
-    cfg: OptimConfig, total_steps: int, labels: Callable | object
-) -> optax.GradientTransformation:
-    """The full transformation; `labels` gives each parameter's group (`variable_group`)."""
+def learning_rate(values: ScheduleValues, group: str, step: jax.Array) -> jax.Array:
+    """The learning rate of `group` at optimizer step `step` (0 for the first): linear warmup
+    to the peak over `warmup_steps` (first step at peak / warmup_steps), then cosine decay to
+    `final_fraction * peak` at the run's last step."""
+    ramp = (step + 1) * values.warmup_increment[group]
+    decay_step = jnp.minimum(step - values.warmup_steps, values.decay_steps)
+    cosine = 1 + jnp.cos(decay_step * values.cosine_angle_step)
+    decayed_lr = (cosine * values.half_span + values.final_fraction) * values.peak_lr[group]
+    return jnp.where(step < values.warmup_steps, ramp, decayed_lr)
+
+
+def scale_by_group_learning_rate(group: str) -> optax.GradientTransformationExtraArgs:
+    """Scales by minus the learning rate of `group`, from the `schedule` (ScheduleValues)
+    that `update` takes as a keyword. Its state is optax's `ScaleByScheduleState`, the step
+    count, as `optax.scale_by_learning_rate` with a schedule keeps it."""
+
+    def init(params: optax.Params) -> optax.ScaleByScheduleState:
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, *, schedule: ScheduleValues | None = None, **extra):
+        del params, extra
+        if schedule is None:
+            raise TypeError(
+                "the optimizer's update needs schedule=ScheduleValues.of(optim_config, steps)"
+            )
+        step_size = -learning_rate(schedule, group, state.count)
+        updates = jax.tree.map(lambda g: jnp.array(step_size, dtype=g.dtype) * g, updates)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def make_optimizer(cfg: OptimConfig, labels: Callable | object) -> optax.GradientTransformation:
+    """The full transformation; `labels` gives each parameter's group (`variable_group`).
+    Its `update` takes the learning-rate schedule as `schedule=ScheduleValues`."""
 
     torch = cfg.numerics == "torch"
     scale_by_radam = scale_by_torch_radam if torch else optax.scale_by_radam
 
-    def radam(peak: float, weight_decay: float) -> optax.GradientTransformation:
+    def radam(group: str, weight_decay: float) -> optax.GradientTransformation:
         parts = [scale_by_radam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)]
         if weight_decay > 0:
             parts.append(optax.add_decayed_weights(weight_decay))
-        parts.append(optax.scale_by_learning_rate(schedule(peak, cfg, total_steps)))
+        parts.append(scale_by_group_learning_rate(group))
         return optax.chain(*parts)
 
     groups = optax.multi_transform(
         {
-            "decay": radam(cfg.lr, cfg.weight_decay),
-            "no_decay": radam(cfg.lr, 0.0),
-            "prior": radam(cfg.prior_lr, 0.0),
-            "ssmax": radam(cfg.ssmax_lr, 0.0),
+            "decay": radam("decay", cfg.weight_decay),
+            "no_decay": radam("no_decay", 0.0),
+            "prior": radam("prior", 0.0),
+            "ssmax": radam("ssmax", 0.0),
         },
         labels,
     )
@@ -118,7 +174,7 @@ def clip_by_global_norm_torch(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def learning_rates(cfg: OptimConfig, total_steps: int, step: int) -> dict[str, float]:
+def learning_rates(values: ScheduleValues, step: int) -> dict[str, float]:
     """Learning rate of each group at `step`, for logging."""
-    peaks = {"lr": cfg.lr, "prior_lr": cfg.prior_lr, "ssmax_lr": cfg.ssmax_lr}
-    return {name: float(schedule(p, cfg, total_steps)(step)) for name, p in peaks.items()}
+    groups = {"lr": "decay", "prior_lr": "prior", "ssmax_lr": "ssmax"}
+    return {name: float(learning_rate(values, group, step)) for name, group in groups.items()}

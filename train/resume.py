@@ -128,7 +128,7 @@ def _abstract_as_saved(setup: Setup, saved: TrainConfig) -> TrainState:
     abstract = setup.abstract_sharded_state()
     if saved.optim == setup.cfg.optim:
         return abstract
-    saved_tx = make_optimizer(saved.optim, saved.steps, setup.parts.labels)
+    saved_tx = make_optimizer(saved.optim, setup.parts.labels)
     saved_treedef = jax.tree.structure(jax.eval_shape(saved_tx.init, setup.abstract_state.params))
     leaves = jax.tree.leaves(abstract.opt_state)
     if saved_treedef.num_leaves != len(leaves):

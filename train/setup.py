@@ -12,13 +12,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from bam_configs.training import TrainConfig, validate_for_runtime
+from bam_configs.training import OptimConfig, TrainConfig, validate_for_runtime
 from bam_jax.model import count_params
 from bam_train.data import BatchLayout, loss_positions_per_row, val_batches
 from bam_train.optim import make_optimizer
 from bam_train.sharding import batch_sharding, local_rows, make_mesh, replicated
 from bam_train.state import ModelParts, TrainState, init_state, state_shardings
-from bam_train.step import Batch, make_eval_step, make_train_step
+from bam_train.step import Batch, StepValues, make_eval_step, make_train_step
 
 
 @dataclasses.dataclass
@@ -35,6 +35,7 @@ class Setup:
     train_step: Callable
     eval_step: Callable
     init: Callable
+    step_values: StepValues
 
     @property
     def global_batch_shape(self) -> tuple[int, int, int]:
@@ -76,22 +77,89 @@ class Setup:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+    """The parts of a Setup that depend only on `program_config(cfg)` and the devices."""
+
+    mesh: Mesh
+    parts: ModelParts
+    tx: optax.GradientTransformation
+    abstract_state: TrainState
+    shardings: TrainState
+    batch_sharding: NamedSharding
+    train_step: Callable
+    eval_step: Callable
+    init: Callable
+
+
+# Fields that are values to the compiled programs (the step takes them in `StepValues`) or
+# that only the loop and the data read; `program_config` sets them to their defaults.
+_VALUE_FIELDS = (
+    "steps",
+    "seed",
+    "batch_size",
+    "tokens_per_step",
+    "log_every",
+    "eval_every",
+    "eval_batches",
+    "checkpoint_every",
+    "keep_last",
+    "keep_every",
+    "async_checkpoint",
+    "profile_start",
+    "profile_steps",
+    "progress_bar",
+    "data",
+)
+_OPTIM_VALUE_FIELDS = ("lr", "prior_lr", "ssmax_lr", "warmup_steps", "final_lr_fraction")
+
+
+def program_config(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with every field that does not shape the compiled programs at its default:
+    runs whose program configs are equal share their jitted steps. SSMax jitter and prior
+    dilation keep only whether they are on."""
+    defaults, optim_defaults = TrainConfig(model=cfg.model), OptimConfig()
+    optim = dataclasses.replace(
+        cfg.optim, **{name: getattr(optim_defaults, name) for name in _OPTIM_VALUE_FIELDS}
+    )
+    return cfg.replace(
+        optim=optim,
+        ssmax_jitter=0.5 if cfg.ssmax_jitter else 0.0,
+        prior_dilation=2.0 if cfg.prior_dilation > 1 else 1.0,
+        **{name: getattr(defaults, name) for name in _VALUE_FIELDS},
+    )
+
+
 def build(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> Setup:
     """Validate against the runtime, then build mesh, optimizer, shardings and jitted steps
-    (on `devices`, default all)."""
+    (on `devices`, default all). The jitted functions are shared with earlier builds in this
+    process whose `program_config` and devices are the same, so a learning-rate sweep or a
+    longer run compiles nothing new."""
     devices = jax.devices() if devices is None else devices
     validate_for_runtime(cfg, len(devices), jax.process_count())
-    mesh = make_mesh(cfg.mesh, devices)
+    programs = _programs(program_config(cfg), tuple(devices))
+    values = jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(replicated(programs.mesh), x),
+        StepValues.of(cfg),
+    )
+    fields = {field.name: getattr(programs, field.name) for field in dataclasses.fields(programs)}
+    fields["init"] = functools.partial(programs.init, values.seed)
+    return Setup(cfg=cfg, step_values=values, **fields)
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(cfg: TrainConfig, devices: tuple[jax.Device, ...]) -> _Programs:
+    mesh = make_mesh(cfg.mesh, list(devices))
     parts, _, _ = ModelParts.from_config(cfg.model)
-    tx = make_optimizer(cfg.optim, cfg.steps, parts.labels)
-    init_fn = functools.partial(init_state, cfg.model, parts, tx, cfg.seed)
-    abstract_state = jax.eval_shape(init_fn)
+    tx = make_optimizer(cfg.optim, parts.labels)
+    init_fn = functools.partial(init_state, cfg.model, parts, tx)
+    abstract_state = jax.eval_shape(init_fn, jnp.int32(0))
     shardings = state_shardings(parts, abstract_state, tx, mesh)
     b_sharding = batch_sharding(mesh)
     rep = replicated(mesh)
     train_step = jax.jit(
         make_train_step(parts, tx, cfg),
-        in_shardings=(shardings, b_sharding),
+        in_shardings=(shardings, b_sharding, rep),
         out_shardings=(shardings, rep),
         donate_argnums=0,
     )
@@ -101,8 +169,8 @@ def build(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> Setup:
         out_shardings=rep,
     )
     init = jax.jit(init_fn, out_shardings=shardings)
-    return Setup(
-        cfg, mesh, parts, tx, abstract_state, shardings, b_sharding, train_step, eval_step, init
+    return _Programs(
+        mesh, parts, tx, abstract_state, shardings, b_sharding, train_step, eval_step, init
     )
 
 

@@ -136,10 +136,11 @@ def state_shardings(
 
 
 def init_state(
-    config: ModelConfig, parts: ModelParts, tx: optax.GradientTransformation, seed: int
+    config: ModelConfig, parts: ModelParts, tx: optax.GradientTransformation, seed: int | jax.Array
 ) -> TrainState:
-    """A fresh state (call under jit with out_shardings to create it sharded)."""
-    params, consts = parts.split(Transformer(config, rngs=nnx.Rngs(seed)))
+    """A fresh state (call under jit with out_shardings to create it sharded); `seed` may be
+    traced, so one compiled init serves every seed."""
+    params, consts = parts.split(Transformer(config, rngs=nnx.Rngs(jax.random.key(seed))))
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=params, consts=consts, opt_state=tx.init(params)
     )

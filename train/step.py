@@ -14,10 +14,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from flax import struct
 
 from bam_configs.training import TrainConfig
 from bam_jax.model import LayerFactors
+from bam_train.optim import ScheduleValues
 from bam_train.state import ModelParts, TrainState
 
 Batch = dict[str, Any]
@@ -55,7 +58,32 @@ def loss_sums(
     return model.cross_entropy_sum(hidden_BxPxE, targets_BxP, mask_BxP), jnp.sum(mask_BxP)
 
 
-def layer_factors(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> LayerFactors | None:
+@struct.dataclass
+class StepValues:
+    """Every number of a run that the train step takes as an array argument rather than as
+    a constant of its program: the learning-rate schedule, the seed of the per-step draws,
+    the SSMax jitter and the log of the prior dilation. Runs that differ only in these share
+    one compiled step. Whether the jitter and dilation are drawn at all is part of the
+    program (a zero jitter or a dilation of 1 draws nothing)."""
+
+    schedule: ScheduleValues
+    seed: jax.Array  # int32 []
+    ssmax_jitter: jax.Array  # float32 []
+    log_prior_dilation: jax.Array  # float32 []
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> StepValues:
+        return cls(
+            schedule=ScheduleValues.of(cfg.optim, cfg.steps),
+            seed=np.int32(cfg.seed),
+            ssmax_jitter=np.float32(cfg.ssmax_jitter),
+            log_prior_dilation=np.float32(math.log(cfg.prior_dilation)),
+        )
+
+
+def layer_factors(
+    cfg: TrainConfig, values: StepValues, step: jax.Array, micro_batches: int
+) -> LayerFactors | None:
     """The per-layer factors of optimizer step `step`, each [micro_batches, n_layers] (None
     when the run draws neither), from the run's seed and the step:
     - `ssmax_scale_L` (with `ssmax_jitter`): one draw from U[1 - ssmax_jitter, 1] per
@@ -64,29 +92,38 @@ def layer_factors(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> Laye
       count stays the training one at any length.
     - `prior_dilation_L` (with `prior_dilation` > 1): one draw of exp(U[0, log
       prior_dilation]) per micro-batch, shared by the global layers; 1 for the windowed
-      ones, which never see a distance beyond their window."""
-    ssmax_AxL = _ssmax_jitter_factors(cfg, step, micro_batches) if cfg.ssmax_jitter else None
-    dilation_AxL = _prior_dilations(cfg, step, micro_batches) if cfg.prior_dilation > 1 else None
+      ones, which never see a distance beyond their window.
+    `cfg` decides which are drawn and which layers they apply to; `values` holds the seed,
+    the jitter and the dilation."""
+    ssmax_AxL = dilation_AxL = None
+    if cfg.ssmax_jitter:
+        ssmax_AxL = _ssmax_jitter_factors(cfg, values, step, micro_batches)
+    if cfg.prior_dilation > 1:
+        dilation_AxL = _prior_dilations(cfg, values, step, micro_batches)
     if ssmax_AxL is None and dilation_AxL is None:
         return None
     return LayerFactors(ssmax_scale_L=ssmax_AxL, prior_dilation_L=dilation_AxL)
 
 
-def _uniform_draws(cfg: TrainConfig, stream: int, step: jax.Array, count: int) -> jax.Array:
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), stream), step)
+def _uniform_draws(values: StepValues, stream: int, step: jax.Array, count: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(values.seed), stream), step)
     return jax.random.uniform(key, (count,), dtype=jnp.float32)
 
 
-def _ssmax_jitter_factors(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> jax.Array:
-    draws_A = _uniform_draws(cfg, SSMAX_JITTER_STREAM, step, micro_batches)
-    factors_Ax1 = (1.0 - cfg.ssmax_jitter * draws_A)[:, None]
+def _ssmax_jitter_factors(
+    cfg: TrainConfig, values: StepValues, step: jax.Array, micro_batches: int
+) -> jax.Array:
+    draws_A = _uniform_draws(values, SSMAX_JITTER_STREAM, step, micro_batches)
+    factors_Ax1 = (1.0 - values.ssmax_jitter * draws_A)[:, None]
     growing_L = jnp.asarray(cfg.model.ssmax_growing_layers())
     return jnp.where(growing_L[None, :], factors_Ax1, 1.0)
 
 
-def _prior_dilations(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> jax.Array:
-    draws_A = _uniform_draws(cfg, PRIOR_DILATION_STREAM, step, micro_batches)
-    dilations_Ax1 = jnp.exp(math.log(cfg.prior_dilation) * draws_A)[:, None]
+def _prior_dilations(
+    cfg: TrainConfig, values: StepValues, step: jax.Array, micro_batches: int
+) -> jax.Array:
+    draws_A = _uniform_draws(values, PRIOR_DILATION_STREAM, step, micro_batches)
+    dilations_Ax1 = jnp.exp(values.log_prior_dilation * draws_A)[:, None]
     global_L = jnp.asarray(cfg.model.global_layers())
     return jnp.where(global_L[None, :], dilations_Ax1, 1.0)
 
@@ -94,13 +131,16 @@ def _prior_dilations(cfg: TrainConfig, step: jax.Array, micro_batches: int) -> j
 def make_train_step(
     parts: ModelParts, tx: optax.GradientTransformation, cfg: TrainConfig
 ) -> Callable:
+    """`step(state, batch_AxBxT, values: StepValues) -> (state, metrics)`. Of `cfg`, the step
+    reads only what shapes its program (the model and which factors are drawn); the numbers
+    that change between runs come in `values`."""
     grad_fn = jax.value_and_grad(
         lambda p, c, b, f: loss_sums(parts, p, c, b, f), has_aux=True, argnums=0
     )
 
-    def step(state: TrainState, batch_AxBxT: Batch) -> tuple[TrainState, dict]:
+    def step(state: TrainState, batch_AxBxT: Batch, values: StepValues) -> tuple[TrainState, dict]:
         micro_batches = batch_AxBxT["inputs"].shape[0]
-        factors = layer_factors(cfg, state.step, micro_batches)
+        factors = layer_factors(cfg, values, state.step, micro_batches)
 
         def micro(carry, batch_and_factors):
             loss_sum, count, grads = carry
@@ -112,7 +152,9 @@ def make_train_step(
         (loss_sum, count, grads), _ = jax.lax.scan(micro, init, (batch_AxBxT, factors))
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = tx.update(
+            grads, state.opt_state, state.params, schedule=values.schedule
+        )
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss_sum / denom,
