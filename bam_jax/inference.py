@@ -293,26 +293,31 @@ def _decode(model: Transformer, tokens_Bx1: jax.Array, cache: KVCache) -> tuple[
     return logits_Bx1xV[:, 0].astype(jnp.float32), cache
 
 
-def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float) -> jax.Array:
-    """Greedy for temperature 0, else a draw from softmax(logits / temperature)."""
-    if temperature == 0.0:
+def sample_token(
+    logits_BxV: jax.Array, key: jax.Array, temperature: float | jax.Array | None
+) -> jax.Array:
+    """Greedy for a temperature of None or 0, else a draw from softmax(logits / temperature).
+    A traced temperature always samples: greedy decoding is a program of its own."""
+    if temperature is None or (isinstance(temperature, int | float) and temperature == 0):
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, logits_BxV.astype(jnp.float32) / temperature).astype(
         jnp.int32
     )
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "temperature"))
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",))
 def _decode_loop(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     logits_BxV: jax.Array,
     cache: KVCache,
     key: jax.Array,
+    temperature: jax.Array | None,
     *,
     max_new_tokens: int,
-    temperature: float,
 ) -> jax.Array:
+    """Decodes `max_new_tokens` tokens; `temperature` is None for greedy decoding, else a
+    float32 scalar, so every temperature shares one program."""
     model = nnx.merge(graphdef, state)
     batch = logits_BxV.shape[0]
 
@@ -341,7 +346,8 @@ def generate(
     with T = max_new_tokens.
 
     temperature 0 is greedy decoding; otherwise tokens are sampled (a `key` is required).
-    The prompt is prefilled in chunks, then a compiled loop decodes one token at a time.
+    The prompt is prefilled in chunks, then a compiled loop decodes one token at a time; the
+    loop is compiled once for greedy decoding and once for sampling at any temperature.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -363,6 +369,6 @@ def generate(
         logits_BxV,
         cache,
         key,
+        None if temperature == 0 else jnp.float32(temperature),
         max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
     )

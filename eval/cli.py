@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from bam_eval import api, plots
 from bam_eval.models import EvalModel
 from bam_eval.perplexity import PACKINGS
+from bam_jax.compilation_cache import use_compilation_cache
 from bam_jax.implementation import IMPLEMENTATION_CHOICES
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
@@ -97,6 +98,13 @@ non_negative = _integer(0)
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("models", nargs="+", metavar="RUN", help="[NAME=]PATH[@STEP]")
+    parser.add_argument(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR",
+        help="folder of compiled programs kept between runs (default $BAM_JAX_COMPILATION_CACHE, "
+        "else ~/.cache/bam_jax/xla); off: compile every program anew",
+    )
     parser.add_argument(
         "--step", type=non_negative, default=None, help="checkpoint step (workdirs)"
     )
@@ -227,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_to_stdout()
     try:
         check_arguments(args)
+        use_compilation_cache(args.compilation_cache)
         models = api.load_models(args.models, step=args.step)
         if "dtype" in args:
             print(f"compute dtype: {args.dtype} (parameters float32)")

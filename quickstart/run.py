@@ -23,6 +23,7 @@ from bam_configs.training import TrainConfig
 from bam_eval import api
 from bam_eval import plots as plot_lib
 from bam_eval.models import EvalModel
+from bam_jax.compilation_cache import use_compilation_cache
 from bam_jax.config import Encoding
 from bam_jax.io.documents import held_out_source
 from bam_jax.logs import log_to_stdout
@@ -118,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"held-out files evaluated, one sequence each (default {PERPLEXITY_SEQUENCES})",
     )
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR",
+        help="folder of compiled programs kept between runs (default $BAM_JAX_COMPILATION_CACHE, "
+        "else ~/.cache/bam_jax/xla); off: compile every program anew",
+    )
     parser.add_argument(
         "--fresh",
         action="store_true",
@@ -296,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_to_stdout()
     start = time.perf_counter()
     try:
+        use_compilation_cache(args.compilation_cache)
         status = train_and_evaluate(
             [e.strip() for e in args.encodings.split(",") if e.strip()],
             args.out,

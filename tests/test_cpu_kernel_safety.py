@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from bam_jax.blockwise import blockwise_attention
+from bam_jax.io import private
 from bam_jax.kernels import cpu
 from tests.cpu_compiler import needs_compiler
 from tests.test_cpu_kernel import run_python
@@ -107,7 +108,7 @@ def test_a_cache_directory_others_can_write_is_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: int
 ) -> None:
     monkeypatch.setattr(cpu, "_compile", fake_compile)
-    monkeypatch.setattr(cpu, "_private_group", lambda gid, uid: False)
+    monkeypatch.setattr(private, "private_group", lambda gid, uid: False)
     cache = tmp_path / "shared"
     cache.mkdir()
     cache.chmod(mode)

@@ -127,6 +127,12 @@ def test_generate_with_temperature_is_reproducible_by_key():
     np.testing.assert_array_equal(first, again)
     assert not np.array_equal(first, other)
     assert first.dtype == jnp.int32 and np.all((first >= 0) & (first < model.config.vocab_size))
+    compiled = inference._decode_loop._cache_size()
+    hotter = sample(temperature=3.0, key=jax.random.key(1))
+    near_greedy = sample(temperature=1e-4, key=jax.random.key(1))
+    assert inference._decode_loop._cache_size() == compiled, "a temperature compiled anew"
+    assert not np.array_equal(hotter, first)
+    np.testing.assert_array_equal(near_greedy, sample())
 
 
 def test_cache_shapes_dtypes_and_errors():

@@ -1,6 +1,7 @@
 """Reading and writing what training and evaluation share: workdir paths and atomic file
 writes (`files`), text documents and Hugging Face datasets (`documents`), pre-tokenised
-shards (`shards`) and the parameters of a training checkpoint (`checkpoints`).
+shards (`shards`), the parameters of a training checkpoint (`checkpoints`) and folders only
+their owner can write, for the caches of compiled code (`private`).
 
-`import bam_jax` does not import this package, so the model library stays light.
+The package itself imports nothing: each module pulls in only what it needs.
 """

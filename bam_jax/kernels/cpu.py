@@ -24,6 +24,7 @@ than blockwise attention: `cpu_kernel_preferred()` decides, from `use_cpu_kernel
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -33,7 +34,6 @@ import os
 import platform
 import shlex
 import shutil
-import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -43,6 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bam_jax.io.private import (
+    NotPrivateError,
+    check_private,
+    make_private_directory,
+    user_cache_dir,
+)
 from bam_jax.kernels.partitioning import (
     FORWARD_OPERAND_ROLES,
     FORWARD_RESULT_ROLES,
@@ -364,59 +370,31 @@ def _intact(library: Path) -> bool:
 
 
 def _make_private_directory(directory: Path) -> None:
-    """Creates `directory` (mode 0700) if needed; raises CpuKernelUnavailable if another
-    user could write it or a directory above it (and so put a library in it)."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    real = directory.resolve()
-    for path in (real, *real.parents):
-        _check_private(path, path.stat(), "directory")
+    with _refused_if_not_private():
+        make_private_directory(directory)
 
 
 def _check_private(path: Path, info: os.stat_result, kind: str) -> None:
-    """Raises CpuKernelUnavailable unless `path` belongs to this user (or, for directories,
-    root) and no other user can write it: group- or world-writable is allowed only for a
-    sticky directory (whose entries only their owners can replace) and group-writable for
-    the user's private group."""
-    uid = os.getuid()
-    owner_ok = info.st_uid == uid or (kind == "directory" and info.st_uid == 0)
-    if kind == "file" and not stat.S_ISREG(info.st_mode):
-        problem = "is not a regular file"
-    elif not owner_ok:
-        problem = f"belongs to uid {info.st_uid}, not to you (uid {uid})"
-    elif kind == "directory" and info.st_mode & stat.S_ISVTX:
-        return
-    elif info.st_mode & stat.S_IWOTH:
-        problem = "is writable by every user"
-    elif info.st_mode & stat.S_IWGRP and not _private_group(info.st_gid, uid):
-        problem = f"is writable by the members of group {info.st_gid}"
-    else:
-        return
-    raise CpuKernelUnavailable(
-        f"the CPU kernel's cache {kind} {path} {problem}, so another user could replace the "
-        f"library it would load; it is not loaded. Remove other users' write access "
-        f"(chmod go-w {path}), delete it, or set ${CACHE_ENV} to a directory of your own"
-    )
+    with _refused_if_not_private():
+        check_private(path, info, kind)
 
 
-def _private_group(gid: int, uid: int) -> bool:
-    """Whether group `gid` is the user's own (named after them, no other member)."""
-    import grp  # POSIX only, like the kernel; the module itself imports anywhere
-    import pwd
-
+@contextlib.contextmanager
+def _refused_if_not_private():
+    """A NotPrivateError inside becomes CpuKernelUnavailable, saying what to do."""
     try:
-        user = pwd.getpwuid(uid).pw_name
-        group = grp.getgrgid(gid)
-    except KeyError:
-        return False
-    return group.gr_name == user and set(group.gr_mem) <= {user}
+        yield
+    except NotPrivateError as err:
+        raise CpuKernelUnavailable(
+            f"the CPU kernel's cache {err}, so another user could replace the library it "
+            f"would load; it is not loaded. Remove other users' write access (chmod go-w "
+            f"{err.path}), delete it, or set ${CACHE_ENV} to a directory of your own"
+        ) from None
 
 
 def _cache_dir() -> Path:
     configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "bam_jax" / "kernels"
+    return Path(configured) if configured else user_cache_dir("kernels")
 
 
 def _build_key(compiler: tuple[str, ...], flags: tuple[str, ...]) -> str:
