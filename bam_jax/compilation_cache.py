@@ -5,7 +5,8 @@ restarted after preemption, a sweep run twice, an evaluation repeated on a new c
 `use_compilation_cache` turns it on for the process, in `$BAM_JAX_COMPILATION_CACHE`
 (default `$XDG_CACHE_HOME/bam_jax/xla`, else `~/.cache/bam_jax/xla`); "off" turns it off. A
 folder another user can write is refused, since the programs read from it run as compiled
-code. A folder that jax was already given (`JAX_COMPILATION_CACHE_DIR`, or
+code. It holds at most 4 GiB, dropping the least recently used programs. A folder that jax
+was already given (`JAX_COMPILATION_CACHE_DIR`, or
 `jax.config.update("jax_compilation_cache_dir", ...)`) is left as it is.
 """
 
@@ -20,9 +21,10 @@ from bam_jax.io.private import NotPrivateError, make_private_directory, user_cac
 
 CACHE_ENV = "BAM_JAX_COMPILATION_CACHE"
 OFF_VALUES = ("off", "none", "0", "false", "no")
-# Programs that compile faster than this are compiled again rather than cached: reading a
-# cache entry back costs about as much as compiling a small program.
-MIN_COMPILE_SECONDS = 0.5
+# Every program is cached: a command's many small programs (the evaluation's, above all)
+# together take seconds to compile. The least recently used are dropped above the size limit.
+MIN_COMPILE_SECONDS = 0.0
+MAX_CACHE_BYTES = 4 * 2**30
 
 
 def use_compilation_cache(setting: str | None = None) -> Path | None:
@@ -41,6 +43,7 @@ def use_compilation_cache(setting: str | None = None) -> Path | None:
     _check_directory(directory)
     jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
     return directory
 
 

@@ -13,7 +13,11 @@ from bam_jax import compilation_cache
 from bam_jax.compilation_cache import CACHE_ENV, use_compilation_cache
 from bam_jax.io import private
 
-CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+CACHE_OPTIONS = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_compilation_cache_max_size",
+)
 
 
 @pytest.fixture
@@ -34,9 +38,8 @@ def test_the_default_folder_is_private_and_per_user(unconfigured_jax, tmp_path):
     assert directory == tmp_path / "home_cache" / "bam_jax" / "xla"
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert jax.config.jax_compilation_cache_dir == str(directory)
-    assert jax.config.jax_persistent_cache_min_compile_time_secs == (
-        compilation_cache.MIN_COMPILE_SECONDS
-    )
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+    assert jax.config.jax_compilation_cache_max_size == compilation_cache.MAX_CACHE_BYTES
 
 
 def test_the_environment_moves_it_and_the_flag_wins(unconfigured_jax, tmp_path, monkeypatch):
