@@ -277,11 +277,22 @@ def test_a_window_beyond_int32_positions_sees_every_key(window: int) -> None:
 
 def test_thread_limits_do_not_stop_the_kernel() -> None:
     # Another thread cannot be started (the user's process limit is reached) when the
-    # compiled call runs; as root the limit only holds after giving up root.
+    # compiled call runs. The limit counts every process of the user, so as root the
+    # process first becomes a user that runs nothing else on the machine.
     run_python("""
         import os, resource, threading
         import jax, jax.numpy as jnp, numpy as np
         from bam_jax.pallas_attention import pallas_attention
+
+        def uid_without_processes() -> int:
+            used = set()
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/status") as status:
+                        used |= {int(l.split()[1]) for l in status if l.startswith("Uid:")}
+                except OSError:
+                    pass
+            return next(uid for uid in range(70000 + os.getpid() % 9000, 2**31) if uid not in used)
 
         q = jax.random.normal(jax.random.key(0), (1, 600, 4, 64))
         k = jax.random.normal(jax.random.key(1), (1, 900, 2, 64))
@@ -289,8 +300,9 @@ def test_thread_limits_do_not_stop_the_kernel() -> None:
         run = run.lower(q, k).compile()
         expected = np.asarray(run(q, k))
         if os.getuid() == 0:
-            os.setgid(65534)
-            os.setuid(65534)
+            uid = uid_without_processes()
+            os.setgid(uid)
+            os.setuid(uid)
         threads = len(os.listdir("/proc/self/task"))
         resource.setrlimit(resource.RLIMIT_NPROC, (threads, threads))
         try:

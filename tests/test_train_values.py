@@ -49,12 +49,17 @@ def test_a_learning_rate_sweep_compiles_one_train_step(corpus):
     setups = [build(cfg) for cfg in configs]
     assert all(setup.train_step is setups[0].train_step for setup in setups)
     batch = next(train_iterator(configs[0].data, configs[0].seq_len, 0, setups[0].layout()))
+    # Earlier tests of this process may have compiled the same programs already.
+    step_programs, init_programs = (
+        setups[0].train_step._cache_size(),
+        setups[0].init.func._cache_size(),
+    )
     trained = []
     for setup in setups:
         state, _ = setup.train_step(setup.init(), setup.global_batch(batch), setup.step_values)
         trained.append(np.asarray(jax.tree.leaves(state.params)[0]))
-    assert setups[0].train_step._cache_size() == 1
-    assert setups[0].init.func._cache_size() == 1
+    assert setups[0].train_step._cache_size() <= step_programs + 1
+    assert setups[0].init.func._cache_size() <= init_programs + 1
     for i, params in enumerate(trained[1:], start=1):
         assert not np.array_equal(params, trained[0]), f"run {i} trained as run 0 did"
 

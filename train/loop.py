@@ -30,6 +30,7 @@ from bam_train.step import (
     Batch,
     NonFiniteLossError,
 )
+from bam_train.workdir_lock import hold_workdir
 
 
 @dataclasses.dataclass
@@ -44,13 +45,16 @@ class TrainResult:
 def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> TrainResult:
     """Train to `cfg.steps` (or stop after `stop_after` steps, saving), resuming from the
     newest checkpoint in `workdir` that restores (see `resume_state`). A full disk stops the run
-    with a `DiskFullError`."""
+    with a `DiskFullError`; a workdir another live training holds is a `WorkdirInUseError`
+    (bam_train.workdir_lock)."""
     workdir = prepare_workdir(workdir)
-    with full_disk_stops_the_run(workdir):
-        return _train(cfg, workdir, stop_after)
+    with hold_workdir(workdir) as lock_note, full_disk_stops_the_run(workdir):
+        return _train(cfg, workdir, stop_after, [lock_note] if lock_note else [])
 
 
-def _train(cfg: TrainConfig, workdir: str, stop_after: int | None) -> TrainResult:
+def _train(
+    cfg: TrainConfig, workdir: str, stop_after: int | None, lock_notes: list[str]
+) -> TrainResult:
     setup = build(cfg)
     layout = setup.layout()
     data = train_iterator(cfg.data, cfg.seq_len, cfg.seed, layout)
@@ -65,7 +69,7 @@ def _train(cfg: TrainConfig, workdir: str, stop_after: int | None) -> TrainResul
         )
         with contextlib.closing(writer):
             writer.print(run_summary(setup, workdir))
-            for note in notes:
+            for note in lock_notes + notes:
                 writer.print(note)
             if start:
                 writer.print(f"resumed from step {start} in {workdir}")
