@@ -68,7 +68,7 @@ TRAINING_RESERVE = 0.3  # share of the deadline kept for the training section
 GATE_THRESHOLDS = {
     # max |kernel - reference|; the kernel's own dots may use TF32 or approximate exp2
     "values float32": 2e-3,
-    # the bf16 input tolerance of tests/test_pallas_attention.py
+    # the bf16 input tolerance of tests/kernels/test_pallas_attention.py
     "values bfloat16": 3e-2,
     # max |kernel - reference| / max(1, max |reference|), per gradient
     "gradient": 1e-2,

@@ -7,7 +7,7 @@ import tempfile
 import jax
 import pytest
 
-pytest_plugins = ("tests.compile_report",)
+pytest_plugins = ("tests.support.compile_report",)
 
 _OWNED_CACHES = pytest.StashKey[list[str]]()
 

@@ -114,7 +114,7 @@ class HeadScalars(NamedTuple):
 
 # The per-head parameter table [H, NUM_HEAD_PARAMS] that every kernel reads: the columns of
 # HeadScalars, padded to 8. bam_jax/kernels/cpu_attention.cc repeats NUM_HEAD_PARAMS and
-# SSMAX_SCALE as kHeadParams and kSsmaxColumn (tests/test_cpu_kernel.py compares them).
+# SSMAX_SCALE as kHeadParams and kSsmaxColumn (tests/kernels/test_cpu_kernel.py compares them).
 HEAD_PARAM_COLUMNS = HeadScalars._fields
 COEF, BETA, MU, SSMAX_SCALE, LIMIT = range(len(HEAD_PARAM_COLUMNS))
 NUM_HEAD_PARAMS = 8

@@ -1,0 +1,27 @@
+"""Python in a fresh interpreter, for checks that could crash the process or must start
+clean."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_python(script: str) -> subprocess.CompletedProcess:
+    """Runs `script` in a fresh interpreter (with this process's kernel cache) and asserts it
+    exits cleanly: a crash fails the test instead of killing pytest."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-3000:]}"
+    return result

@@ -1,0 +1,67 @@
+"""The paper presets against the table of the authors' values in docs/spec.md section 9."""
+
+import ast
+import functools
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from bam_configs.presets import PAPER_CONTEXTS, PAPER_SIZES, preset
+
+SPEC = Path(__file__).resolve().parents[2] / "docs" / "spec.md"
+ROW = re.compile(r"^\| `(?P<field>[^`]+)` \| (?P<authors>[^|]+) \| `(?P<value>[^`]+)` \|$")
+# Fields the table must cover: what a preset would get wrong without them.
+REQUIRED_FIELDS = {
+    "model.prior_alpha_init",
+    "model.prior_beta_init",
+    "model.prior_mu_init",
+    "model.train_prior_mu",
+    "model.global_prior",
+    "optim.lr",
+    "optim.prior_lr",
+    "optim.ssmax_lr",
+    "optim.numerics",
+    "data.shuffle",
+    "data.val_gap_tokens",
+    "data.val_rows * model.max_seq_len",
+    "data.boundary_targets",
+}
+PAPER_PRESETS = [f"{size}_{context}" for size in PAPER_SIZES for context in PAPER_CONTEXTS]
+
+
+@functools.cache
+def authors_table() -> dict[str, object]:
+    """field -> preset value, from the table of docs/spec.md section 9."""
+    section = SPEC.read_text().split("## 9.")[1].split("\n## ")[0]
+    rows = [ROW.match(line) for line in section.splitlines()]
+    return {row["field"]: ast.literal_eval(row["value"]) for row in rows if row}
+
+
+def field_value(cfg, field: str):
+    factors = [functools.reduce(getattr, name.split("."), cfg) for name in field.split(" * ")]
+    return math.prod(factors) if len(factors) > 1 else factors[0]
+
+
+def test_the_table_covers_the_fields_that_decide_where_a_run_starts():
+    assert set(authors_table()) >= REQUIRED_FIELDS
+
+
+@pytest.mark.parametrize("name", PAPER_PRESETS)
+def test_paper_preset_has_the_authors_values(name):
+    cfg = preset(name)
+    wrong = {
+        field: (field_value(cfg, field), value)
+        for field, value in authors_table().items()
+        if field_value(cfg, field) != value
+    }
+    assert not wrong, f"{name}: field: (preset, authors') {wrong}"
+
+
+@pytest.mark.parametrize("name", PAPER_PRESETS)
+def test_paper_preset_validates_on_whole_micro_batches(name):
+    cfg = preset(name)
+    rows = cfg.batch_size * cfg.eval_batches
+    assert rows == cfg.data.val_rows
+    assert cfg.batch_size * cfg.model.max_seq_len == 32_768
