@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 from typing import Any
 
@@ -25,6 +26,11 @@ from bam_jax.io.files import run_path
 from bam_jax.model import Transformer, reconfigure
 from bam_jax.reference_checkpoint import load_reference_checkpoint
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
+
+logger = logging.getLogger("bam.eval")
+# A workdir whose training writes and deletes checkpoints while it is read is read again,
+# from its newest checkpoint, up to this many times in all.
+LIVE_RUN_ATTEMPTS = 5
 
 REFERENCE_WEIGHTS = ("model.pt", "model.npz")
 # Blockwise attention's tiles for inference when none are given: a query block spanning a
@@ -136,23 +142,60 @@ def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel
             f"{os.path.basename(directory)}/ folder) nor a reference run directory "
             f"(args.json with {' or '.join(REFERENCE_WEIGHTS)})"
         )
-    step = _checkpoint_step(arg, path, step)
-    try:
-        saved = load_params(path, step)
-        model = saved.model()
-    except Exception as error:  # Orbax and TensorStore raise many types, by damaged file
-        others = [s for s in checkpoint_steps(path) if s != step]
-        fallback = (
-            f"evaluate another step with {path}@STEP (steps: {others})"
-            if others
-            else "the run has no other checkpoint"
-        )
-        raise ValueError(
-            f"model {arg!r}: checkpoint {os.path.join(directory, str(step))} cannot be read "
-            f"({error_summary(error)}); it is damaged or incomplete: {fallback}"
-        ) from error
+    chosen = _checkpoint_step(arg, path, step)
+    steps = checkpoint_steps(path)
+    for attempt in range(LIVE_RUN_ATTEMPTS):
+        try:
+            saved = load_params(path, chosen)
+            model = saved.model()
+            break
+        except Exception as error:  # Orbax and TensorStore raise many types, by damaged file
+            now = _steps_left(path)
+            last = attempt == LIVE_RUN_ATTEMPTS - 1
+            if step is not None or last or not now or (now == steps and chosen in now):
+                raise _unreadable(arg, path, chosen, error) from error
+            if now[-1] != chosen:
+                logger.warning(
+                    "model %r: checkpoint %s was removed while it was read (the run is still "
+                    "training); evaluating step %d instead",
+                    arg,
+                    os.path.join(directory, str(chosen)),
+                    now[-1],
+                )
+            chosen, steps = now[-1], now
     tokenizer = saved.run_config.get("data", {}).get("tokenizer")
-    return EvalModel(name, path, "workdir", step, saved.config, model, tokenizer)
+    return EvalModel(name, path, "workdir", chosen, saved.config, model, tokenizer)
+
+
+def _steps_left(workdir: str) -> list[int]:
+    """The run's complete checkpoints now; a training that deletes one while they are listed
+    makes the listing fail, and it is taken again."""
+    for _ in range(LIVE_RUN_ATTEMPTS):
+        try:
+            return checkpoint_steps(workdir)
+        except OSError:
+            continue
+    return []
+
+
+def _unreadable(arg: str, path: str, step: int, error: Exception) -> ValueError:
+    steps = checkpoint_steps(path)
+    others = [s for s in steps if s != step]
+    fallback = (
+        f"evaluate another step with {path}@STEP (steps: {others})"
+        if others
+        else "the run has no other checkpoint"
+    )
+    where = os.path.join(checkpoint_dir(path), str(step))
+    if step not in steps:
+        return ValueError(
+            f"model {arg!r}: checkpoint {where} was removed while it was read (a training "
+            f"still running deletes its older checkpoints); {fallback}"
+        )
+    return ValueError(
+        f"model {arg!r}: checkpoint {where} cannot be read ({error_summary(error)}); it is "
+        f"damaged or incomplete: {fallback}"
+    )
 
 
 def _checkpoint_step(arg: str, workdir: str, step: int | None) -> int:

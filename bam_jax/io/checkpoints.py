@@ -71,13 +71,15 @@ def _cause(err: BaseException) -> BaseException | None:
 def quiet_orphaned_checkpoint_reads() -> None:
     """After a checkpoint fails to load, TensorStore finishes the reads still in flight and
     hands them to Orbax's event loop, which is closed by then, or leaves their failed tasks
-    unretrieved; each would print a traceback after the one-line error. Those, and only
-    those, are dropped."""
+    unretrieved, or collects its coroutines unfinished; each would print a traceback after the
+    one-line error. Those, and only those, are dropped."""
     default_hook = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
         error = unraisable.exc_value
         if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        if _is_orbax_coroutine(unraisable.object):
             return
         default_hook(unraisable)
 
@@ -85,6 +87,13 @@ def quiet_orphaned_checkpoint_reads() -> None:
     asyncio_logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _OrphanedReadReports) for f in asyncio_logger.filters):
         asyncio_logger.addFilter(_OrphanedReadReports())
+
+
+def _is_orbax_coroutine(obj: Any) -> bool:
+    """Whether `obj` is a coroutine of Orbax's, such as a read that a failed (or abandoned)
+    restore left behind and that is reported when it is collected."""
+    code = getattr(obj, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
 class _OrphanedReadReports(logging.Filter):

@@ -271,6 +271,14 @@ def test_reads_orphaned_by_a_failed_restore_print_nothing(monkeypatch):
     assert passed_on == []
     sys.unraisablehook(unraisable(RuntimeError("something else")))
     assert [str(u.exc_value) for u in passed_on] == ["something else"]
+    # An Orbax read that a failed restore left unfinished, collected later.
+    namespace: dict = {}
+    exec(compile("async def read(): pass", "/lib/orbax/checkpoint/reads.py", "exec"), namespace)
+    orbax_read = namespace["read"]()
+    collected = vars(unraisable(ValueError("FAILED_PRECONDITION: Error reading ...")))
+    sys.unraisablehook(types.SimpleNamespace(**{**collected, "object": orbax_read}))
+    orbax_read.close()
+    assert len(passed_on) == 1, "an unfinished Orbax read was reported"
 
     try:
         try:
