@@ -12,6 +12,7 @@ was already given (`JAX_COMPILATION_CACHE_DIR`, or
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -25,6 +26,17 @@ OFF_VALUES = ("off", "none", "0", "false", "no")
 # together take seconds to compile. The least recently used are dropped above the size limit.
 MIN_COMPILE_SECONDS = 0.0
 MAX_CACHE_BYTES = 4 * 2**30
+
+
+def add_compilation_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """`--compilation-cache DIR` (or off) for a command's parser."""
+    parser.add_argument(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR",
+        help=f"folder of compiled programs kept between runs (default ${CACHE_ENV}, else "
+        "~/.cache/bam_jax/xla); off: compile every program anew",
+    )
 
 
 def use_compilation_cache(setting: str | None = None) -> Path | None:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from bam_eval import api, plots
 from bam_eval.models import EvalModel
 from bam_eval.perplexity import PACKINGS
-from bam_jax.compilation_cache import use_compilation_cache
+from bam_jax.compilation_cache import add_compilation_cache_argument, use_compilation_cache
 from bam_jax.implementation import IMPLEMENTATION_CHOICES
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
@@ -98,13 +98,7 @@ non_negative = _integer(0)
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("models", nargs="+", metavar="RUN", help="[NAME=]PATH[@STEP]")
-    parser.add_argument(
-        "--compilation-cache",
-        default=None,
-        metavar="DIR",
-        help="folder of compiled programs kept between runs (default $BAM_JAX_COMPILATION_CACHE, "
-        "else ~/.cache/bam_jax/xla); off: compile every program anew",
-    )
+    add_compilation_cache_argument(parser)
     parser.add_argument(
         "--step", type=non_negative, default=None, help="checkpoint step (workdirs)"
     )

@@ -23,7 +23,7 @@ from bam_configs.training import TrainConfig
 from bam_eval import api
 from bam_eval import plots as plot_lib
 from bam_eval.models import EvalModel
-from bam_jax.compilation_cache import use_compilation_cache
+from bam_jax.compilation_cache import add_compilation_cache_argument, use_compilation_cache
 from bam_jax.config import Encoding
 from bam_jax.io.documents import held_out_source
 from bam_jax.logs import log_to_stdout
@@ -119,13 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"held-out files evaluated, one sequence each (default {PERPLEXITY_SEQUENCES})",
     )
     parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument(
-        "--compilation-cache",
-        default=None,
-        metavar="DIR",
-        help="folder of compiled programs kept between runs (default $BAM_JAX_COMPILATION_CACHE, "
-        "else ~/.cache/bam_jax/xla); off: compile every program anew",
-    )
+    add_compilation_cache_argument(parser)
     parser.add_argument(
         "--fresh",
         action="store_true",

@@ -33,9 +33,11 @@ class ScheduleValues:
     The schedule is written in the form XLA folds optax's warmup + cosine schedule into when
     its numbers are constants of the program (a division by a constant becomes a product
     with its float32 reciprocal, and products of constants are folded into one), and those
-    constants are computed here in float32 as XLA computes them: a step taking these values
-    gives the learning rates, and so the training, of a step compiled with the numbers as
-    constants, bit for bit."""
+    constants are computed here in float32 as XLA computes them: with the jax that
+    constraints.txt pins, a step taking these values gives the learning rates, and so the
+    training, of a step compiled with the numbers as constants, bit for bit. Newer XLAs
+    fold in another order (jax 0.12: reciprocals, but no merged products); there the two
+    differ by a few float32 ulps."""
 
     peak_lr: dict[str, jax.Array]  # float32 [], per parameter group
     warmup_increment: dict[str, jax.Array]  # float32 []: peak / warmup_steps, per group

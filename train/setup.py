@@ -22,10 +22,9 @@ from bam_train.step import Batch, StepValues, make_eval_step, make_train_step
 
 
 @dataclasses.dataclass
-class Setup:
-    """Everything a run needs before it touches data or parameters."""
+class _Programs:
+    """The parts of a Setup that depend only on `program_config(cfg)` and the devices."""
 
-    cfg: TrainConfig
     mesh: Mesh
     parts: ModelParts
     tx: optax.GradientTransformation
@@ -35,6 +34,15 @@ class Setup:
     train_step: Callable
     eval_step: Callable
     init: Callable
+
+
+@dataclasses.dataclass
+class Setup(_Programs):
+    """Everything a run needs before it touches data or parameters: its config, the jitted
+    programs (shared between runs with one `program_config`), and the values the train
+    step takes (`init` here takes none: it starts the run's seed)."""
+
+    cfg: TrainConfig
     step_values: StepValues
 
     @property
@@ -75,21 +83,6 @@ class Setup:
             self.abstract_state,
             self.shardings,
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Programs:
-    """The parts of a Setup that depend only on `program_config(cfg)` and the devices."""
-
-    mesh: Mesh
-    parts: ModelParts
-    tx: optax.GradientTransformation
-    abstract_state: TrainState
-    shardings: TrainState
-    batch_sharding: NamedSharding
-    train_step: Callable
-    eval_step: Callable
-    init: Callable
 
 
 # Fields that are values to the compiled programs (the step takes them in `StepValues`) or
@@ -142,9 +135,9 @@ def build(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> Setup:
         lambda x: jax.make_array_from_process_local_data(replicated(programs.mesh), x),
         StepValues.of(cfg),
     )
-    fields = {field.name: getattr(programs, field.name) for field in dataclasses.fields(programs)}
-    fields["init"] = functools.partial(programs.init, values.seed)
-    return Setup(cfg=cfg, step_values=values, **fields)
+    shared = {field.name: getattr(programs, field.name) for field in dataclasses.fields(programs)}
+    shared["init"] = functools.partial(programs.init, values.seed)
+    return Setup(**shared, cfg=cfg, step_values=values)
 
 
 @functools.lru_cache(maxsize=8)
