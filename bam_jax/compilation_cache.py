@@ -26,6 +26,10 @@ OFF_VALUES = ("off", "none", "0", "false", "no")
 # together take seconds to compile. The least recently used are dropped above the size limit.
 MIN_COMPILE_SECONDS = 0.0
 MAX_CACHE_BYTES = 4 * 2**30
+FLAG_HELP = (
+    f"folder of compiled programs kept between runs (default ${CACHE_ENV}, else "
+    "~/.cache/bam_jax/xla); off: compile every program anew"
+)
 
 
 def add_compilation_cache_argument(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +38,7 @@ def add_compilation_cache_argument(parser: argparse.ArgumentParser) -> None:
         "--compilation-cache",
         default=None,
         metavar="DIR",
-        help=f"folder of compiled programs kept between runs (default ${CACHE_ENV}, else "
-        "~/.cache/bam_jax/xla); off: compile every program anew",
+        help=FLAG_HELP,
     )
 
 

@@ -293,12 +293,9 @@ def _decode(model: Transformer, tokens_Bx1: jax.Array, cache: KVCache) -> tuple[
     return logits_Bx1xV[:, 0].astype(jnp.float32), cache
 
 
-def sample_token(
-    logits_BxV: jax.Array, key: jax.Array, temperature: float | jax.Array | None
-) -> jax.Array:
-    """Greedy for a temperature of None or 0, else a draw from softmax(logits / temperature).
-    A traced temperature always samples: greedy decoding is a program of its own."""
-    if temperature is None or (isinstance(temperature, int | float) and temperature == 0):
+def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array | None) -> jax.Array:
+    """Greedy for a temperature of None, else a draw from softmax(logits / temperature)."""
+    if temperature is None:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, logits_BxV.astype(jnp.float32) / temperature).astype(
         jnp.int32

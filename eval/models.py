@@ -142,8 +142,8 @@ def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel
             f"{os.path.basename(directory)}/ folder) nor a reference run directory "
             f"(args.json with {' or '.join(REFERENCE_WEIGHTS)})"
         )
-    chosen = _checkpoint_step(arg, path, step)
     steps = checkpoint_steps(path)
+    chosen = _checkpoint_step(arg, path, step, steps)
     for attempt in range(LIVE_RUN_ATTEMPTS):
         try:
             saved = load_params(path, chosen)
@@ -153,7 +153,7 @@ def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel
             now = _steps_left(path)
             last = attempt == LIVE_RUN_ATTEMPTS - 1
             if step is not None or last or not now or (now == steps and chosen in now):
-                raise _unreadable(arg, path, chosen, error) from error
+                raise _unreadable(arg, path, chosen, error, now) from error
             if now[-1] != chosen:
                 logger.warning(
                     "model %r: checkpoint %s was removed while it was read (the run is still "
@@ -178,8 +178,9 @@ def _steps_left(workdir: str) -> list[int]:
     return []
 
 
-def _unreadable(arg: str, path: str, step: int, error: Exception) -> ValueError:
-    steps = checkpoint_steps(path)
+def _unreadable(arg: str, path: str, step: int, error: Exception, steps: list[int]) -> ValueError:
+    """The error for checkpoint `step` of `path`, which failed with `error`; `steps` are the
+    run's checkpoints now."""
     others = [s for s in steps if s != step]
     fallback = (
         f"evaluate another step with {path}@STEP (steps: {others})"
@@ -198,9 +199,8 @@ def _unreadable(arg: str, path: str, step: int, error: Exception) -> ValueError:
     )
 
 
-def _checkpoint_step(arg: str, workdir: str, step: int | None) -> int:
-    """The requested step, or the latest, after checking that it was saved completely."""
-    steps = checkpoint_steps(workdir)
+def _checkpoint_step(arg: str, workdir: str, step: int | None, steps: list[int]) -> int:
+    """The requested step, or the latest, of the run's complete checkpoints `steps`."""
     if not steps:
         raise ValueError(
             f"model {arg!r}: {checkpoint_dir(workdir)} holds no complete checkpoint; train the "

@@ -44,7 +44,7 @@ from ml_collections import ConfigDict, config_flags
 
 from bam_configs.presets import TRAINING_PRESETS, preset
 from bam_configs.training import TrainConfig, describe_type, field_type, to_config_dict
-from bam_jax.compilation_cache import use_compilation_cache
+from bam_jax import compilation_cache
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_train.checkpoint import DiskFullError, quiet_full_disk_reports
@@ -271,12 +271,7 @@ def define_flags(
         flag_values=flag_values,
     )
     flags.DEFINE_string(
-        "compilation_cache",
-        None,
-        "Folder of compiled programs kept between runs (default "
-        "$BAM_JAX_COMPILATION_CACHE, else ~/.cache/bam_jax/xla); off: compile every program "
-        "anew.",
-        flag_values=flag_values,
+        "compilation_cache", None, compilation_cache.FLAG_HELP, flag_values=flag_values
     )
     flags.DEFINE_enum(
         "cpu_collectives",
@@ -403,7 +398,7 @@ def run(argv: list[str]) -> int:
         print("error: --workdir is required", file=sys.stderr)
         return 2
     try:
-        use_compilation_cache(flag_values.compilation_cache)
+        compilation_cache.use_compilation_cache(flag_values.compilation_cache)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

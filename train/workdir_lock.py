@@ -44,14 +44,13 @@ def hold_workdir(workdir: str) -> Iterator[str | None]:
     if is_url(workdir):
         yield None
         return
-    held, problem = None, None
+    fd, note, problem = None, None, None
     if jax.process_index() == 0:
         try:
-            held = _acquire(workdir)
+            fd, note = _acquire(workdir)
         except WorkdirInUseError as err:
             problem = str(err)
     _agree_on(problem)
-    fd, note = held if held is not None else (None, None)
     try:
         yield note
     finally:
