@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import pytest
 
 from bam_jax import ENCODINGS, Encoding, ModelConfig
+from tests.support import REPO_ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 SOURCE_FOLDERS = ("bam_jax", "train", "eval", "configs", "quickstart", "bench")
 # What reading an encoding's name by hand looks like (a kernel's `prior_kind` "alibi" is
 # another vocabulary).

@@ -23,9 +23,10 @@ from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.model import Transformer
 from bam_jax.reference_checkpoint import export_reference_checkpoint
 from bam_jax.tokenizers import ByteTokenizer
+from tests.support import REPO_ROOT
 from tests.support.checkpoint_damage import shift_floats
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 CONFIG = ModelConfig.of_size("nano", vocab_size=259, encoding="bam_ssmax", max_seq_len=64)
 
 

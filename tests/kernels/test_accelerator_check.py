@@ -12,8 +12,9 @@ import pytest
 
 from bam_jax.attention import reference_attention
 from bench import accelerator_check, pallas_bench
+from tests.support import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 
 SMOKE_SETTINGS = accelerator_check.make_settings(accelerator_check.parse_args(["--smoke"]))
 

@@ -43,7 +43,6 @@ from tests.support.kernel_cases import (
 from tests.support.processes import run_python
 
 pytestmark = needs_compiler
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support import REPO_ROOT
+
+REPO = str(REPO_ROOT)
 
 
 @pytest.mark.slow

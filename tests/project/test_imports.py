@@ -12,7 +12,9 @@ import ast
 import pathlib
 import tomllib
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
+
+ROOT = REPO_ROOT
 
 
 def _installed_names() -> dict[str, str]:

@@ -4,11 +4,11 @@ host devices (the snippets of "Use it in your model" build on each other)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
+from tests.support import REPO_ROOT
 from tests.support.host_devices import run_on_host_devices
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = REPO_ROOT
 LIBRARY_DOC = REPO / "docs" / "library.md"
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 

@@ -11,7 +11,6 @@ import ast
 import importlib.metadata
 import importlib.util
 import json
-import pathlib
 import re
 import subprocess
 import sys
@@ -26,8 +25,9 @@ from bam_eval import entry as eval_entry
 from bam_jax import extras
 from bam_quickstart import entry as quickstart_entry
 from bam_train import entry as train_entry
+from tests.support import REPO_ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 with open(ROOT / "pyproject.toml", "rb") as _f:
     PYPROJECT = tomllib.load(_f)
 PROJECT = PYPROJECT["project"]

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
+
+REPO = REPO_ROOT
 README = REPO / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 # Characters that separate commands (";", "&&", "||", "|", "&", line ends); shlex returns a

@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
+
+REPO = REPO_ROOT
 
 
 def run_on_host_devices(

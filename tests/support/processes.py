@@ -7,9 +7,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
+
+REPO = REPO_ROOT
 
 
 def run_python(script: str) -> subprocess.CompletedProcess:

@@ -7,10 +7,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = str(Path(__file__).resolve().parents[2])
+from tests.support import REPO_ROOT
+
+REPO = str(REPO_ROOT)
 
 
 def metric_steps(workdir: str) -> list[int]:

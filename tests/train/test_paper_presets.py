@@ -4,13 +4,13 @@ import ast
 import functools
 import math
 import re
-from pathlib import Path
 
 import pytest
 
 from bam_configs.presets import PAPER_CONTEXTS, PAPER_SIZES, preset
+from tests.support import REPO_ROOT
 
-SPEC = Path(__file__).resolve().parents[2] / "docs" / "spec.md"
+SPEC = REPO_ROOT / "docs" / "spec.md"
 ROW = re.compile(r"^\| `(?P<field>[^`]+)` \| (?P<authors>[^|]+) \| `(?P<value>[^`]+)` \|$")
 # Fields the table must cover: what a preset would get wrong without them.
 REQUIRED_FIELDS = {

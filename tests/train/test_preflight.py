@@ -17,9 +17,10 @@ from bam_train.data import BatchLayout, val_batches
 from bam_train.dry_run import dry_run, format_dry_run
 from bam_train.setup import build
 from bam_train.shards import write_shards
+from tests.support import REPO_ROOT
 from tests.support.byte_runs import short_run_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(REPO_ROOT)
 PAPER_PRESETS = [f"{size}_{context}" for size in PAPER_SIZES for context in PAPER_CONTEXTS]
 
 

@@ -15,8 +15,9 @@ import pytest
 
 from bam_configs.presets import preset
 from bam_train.data import BatchLayout, train_iterator
+from tests.support import REPO_ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(REPO_ROOT)
 SAVED_STEP, STEPS = 2, 4
 
 

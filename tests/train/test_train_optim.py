@@ -1,6 +1,5 @@
 """Optimizer groups, weight decay, learning rate schedule and clipping."""
 
-import pathlib
 import re
 
 import jax
@@ -13,8 +12,9 @@ from bam_configs.training import OptimConfig
 from bam_jax.config import ModelConfig
 from bam_train.optim import ScheduleValues, learning_rate, learning_rates, make_optimizer
 from bam_train.state import ModelParts
+from tests.support import REPO_ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 
 
 @pytest.fixture(scope="module")

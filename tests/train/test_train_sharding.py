@@ -15,9 +15,10 @@ from jax.sharding import PartitionSpec
 
 from bam_configs.training import MeshConfig
 from bam_train.sharding import logical_to_spec, make_mesh
+from tests.support import REPO_ROOT
 from tests.support.host_devices import host_devices_result, run_on_host_devices
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(REPO_ROOT)
 
 
 class _FakeMesh:

@@ -4,7 +4,6 @@ values, and checkpoints written before the step took values still resume."""
 
 import dataclasses
 import json
-import pathlib
 import shutil
 
 import jax
@@ -18,11 +17,12 @@ from bam_train.loop import train
 from bam_train.metrics import read_metrics
 from bam_train.optim import learning_rates
 from bam_train.setup import build, program_config
+from tests.support import REPO_ROOT
 from tests.support.byte_runs import short_run_config, write_word_corpus
 
 # A run of the `quickstart` preset at dim 16, 2 steps of 2 rows a checkpoint, written by
 # bam-jax 0.1.0 before the step took values (checkpoints at steps 2 and 4, its metrics).
-RELEASE_RUN = pathlib.Path(__file__).parents[1] / "data" / "checkpoint_0_1_0"
+RELEASE_RUN = REPO_ROOT / "tests" / "data" / "checkpoint_0_1_0"
 
 
 @pytest.fixture(scope="module")
