@@ -9,15 +9,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from bam_eval import plots
+from bam_eval.copy_probe import CopySettings, evaluate_copy
 from bam_eval.memory import activation_bytes, cache_bytes_per_slot, check_sample_memory
 from bam_eval.models import EvalModel, for_inference, load_eval_model, model_tokenizers
-from bam_eval.passkey import PasskeySettings, evaluate_passkey
+from bam_eval.passkey import PasskeySettings, auto_batch_size, evaluate_passkey
 from bam_eval.perplexity import evaluate_perplexity, load_rows
 from bam_eval.prior_inspect import figure_table, head_classes, prior_curves, prior_table
 from bam_eval.results import ResultStore
@@ -31,6 +32,7 @@ logger = logging.getLogger("bam.eval")
 # What the tables and figures read from each stored entry.
 PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")
 PERPLEXITY_FIELDS = ("positions", "loss", "perplexity")
+COPY_FIELDS = ("target_length", "accuracy", "letter_accuracy", "distances")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +191,73 @@ def run_passkey(
     return evaluation
 
 
+def run_copy(
+    models: Sequence[EvalModel],
+    *,
+    lengths: Sequence[int] = (),
+    multiples: Sequence[float] = (),
+    samples: int = 20,
+    sampling: str = "equidistant",
+    data: str = CopySettings.data,
+    seed: int = 0,
+    tokenizer: str | None = None,
+    inference: InferenceSettings = InferenceSettings(),
+    out: str | None = None,
+    fresh: bool = False,
+) -> Evaluation:
+    """The copy probe (bam_eval.copy_probe) per length of each model: `results[name]` lists
+    one entry per length. With `out`, results are kept in OUT/NAME/copy.json."""
+    check_out_folder(out)
+    tokenizers = model_tokenizers(list(models), tokenizer)
+    evaluation = Evaluation({})
+    for m in models:
+        settings = CopySettings(
+            data=data,
+            sampling=sampling,
+            n_samples=samples,
+            seed=seed,
+            tokenizer=tokenizers[m.name].name,
+            checkpoint=m.checkpoint,
+            dtype=inference.dtype,
+        )
+        forward, config = inference.prepare(m.model)
+        model_lengths = passkey_lengths(m, lengths, multiples)
+        capacity = capacity_bucket(model_lengths[-1], inference.chunk_size)
+        cache_bytes = cache_bytes_per_slot(config)
+        scratch_bytes = activation_bytes(config, inference.chunk_size, capacity)
+        check_sample_memory(
+            f"model {m.name!r}: copy probe at length {model_lengths[-1]}",
+            capacity,
+            cache_bytes,
+            scratch_bytes,
+            inference.memory_budget_bytes,
+            "evaluate shorter lengths (--lengths / --multiples) or raise --memory-gb",
+        )
+        batch_size = inference.batch_size or auto_batch_size(
+            samples, cache_bytes, capacity, inference.memory_budget_bytes, scratch_bytes
+        )
+        evaluation.results[m.name] = evaluate_copy(
+            forward,
+            tokenizers[m.name],
+            model_lengths,
+            settings,
+            _store(out, m, "copy", COPY_FIELDS, fresh),
+            batch_size=batch_size,
+            train_length=m.train_length,
+            label=m.name,
+        )
+    return evaluation
+
+
+def copy_table(curves: dict[str, list[dict[str, Any]]], train_lengths: dict[str, int]) -> str:
+    """Names copied exactly / letters right (%) per model and length."""
+    return length_table(
+        curves,
+        train_lengths,
+        lambda e: f"{100 * e['accuracy']:.0f} / {100 * e['letter_accuracy']:.0f}",
+    )
+
+
 def _warn_of_non_finite_samples(name: str, entry: dict[str, Any]) -> None:
     bad = sum(entry.get("non_finite", ()))
     if bad:
@@ -224,8 +293,17 @@ def task_label(task: str, needles: int) -> str:
 
 
 def passkey_table(curves: dict[str, list[dict[str, Any]]], train_lengths: dict[str, int]) -> str:
+    """Accuracy (%) per model and length."""
+    return length_table(curves, train_lengths, lambda e: f"{100 * e['accuracy']:.0f}")
+
+
+def length_table(
+    curves: dict[str, list[dict[str, Any]]],
+    train_lengths: dict[str, int],
+    cell: Callable[[dict[str, Any]], str],
+) -> str:
     """Rows: models; columns: target lengths (with the multiple of the training length
-    when all models share one)."""
+    when all models share one); each cell `cell(entry)`."""
     lengths = sorted({e["target_length"] for entries in curves.values() for e in entries})
     shared = set(train_lengths.values())
     header = ["model", "train"] + [
@@ -236,7 +314,7 @@ def passkey_table(curves: dict[str, list[dict[str, Any]]], train_lengths: dict[s
         by_length = {e["target_length"]: e for e in entries}
         rows.append(
             [name, str(train_lengths[name])]
-            + [f"{100 * by_length[n]['accuracy']:.0f}" if n in by_length else "-" for n in lengths]
+            + [cell(by_length[n]) if n in by_length else "-" for n in lengths]
         )
     return format_table(header, rows)
 
