@@ -89,7 +89,7 @@ def check_out_folder(out: str | None) -> None:
         raise ValueError(f"--out {out!r} is a file, expected a folder for the results")
 
 
-def _store(
+def result_store(
     out: str | None, model: EvalModel, task: str, fields: Sequence[str] = (), fresh: bool = False
 ) -> ResultStore:
     path = None if out is None else os.path.join(out, model.name, f"{task}.json")
@@ -159,7 +159,7 @@ def run_passkey(
             text_encoder,
             model_lengths,
             settings,
-            _store(out, m, "passkey", PASSKEY_FIELDS, fresh),
+            result_store(out, m, "passkey", PASSKEY_FIELDS, fresh),
             patience=patience,
             batch_size=inference.batch_size,
             cache_bytes_per_slot=cache_bytes_per_slot(config),
@@ -241,7 +241,7 @@ def run_copy(
             tokenizers[m.name],
             model_lengths,
             settings,
-            _store(out, m, "copy", COPY_FIELDS, fresh),
+            result_store(out, m, "copy", COPY_FIELDS, fresh),
             batch_size=batch_size,
             train_length=m.train_length,
             label=m.name,
@@ -416,7 +416,7 @@ def run_perplexity(
             "checkpoint": m.checkpoint,
             "dtype": inference.dtype,
         }
-        store = _store(out, m, "perplexity", PERPLEXITY_FIELDS, fresh)
+        store = result_store(out, m, "perplexity", PERPLEXITY_FIELDS, fresh)
         entry = store.get(settings, data)
         if entry is None:
             entry = evaluate_perplexity(
@@ -520,7 +520,7 @@ def run_prior(
     for m in models:
         table = prior_table(m.model, m.config)
         curves = prior_curves(m.config, table, max_distance or 500 * m.train_length)
-        store = _store(out, m, "prior", fresh=fresh)
+        store = result_store(out, m, "prior", fresh=fresh)
         store.put({"checkpoint": m.checkpoint}, "heads", {"table": table})
         shown = figure_table(m.config, table)
         evaluation.results[m.name] = {

@@ -5,6 +5,7 @@ priors.
   bam-eval passkey RUN --lengths 0,1k,2k,4k,8k,16k,32k --samples 20 --sampling random
   bam-eval retrieval RUN --task multikey --needles 4 --multiples 1,8,64,500
   bam-eval copy RUN --multiples 1,2,4,16,64,500 --samples 20
+  bam-eval curve WORKDIR --multiples 1,4      (every kept checkpoint, against tokens seen)
 
 Token counts take k = 1024 and m = 1024**2 (4k = 4096).
   bam-eval perplexity RUN [RUN ...] --data held_out.jsonl --seq-len 32768 --window 1024
@@ -24,6 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from bam_eval import api, plots
+from bam_eval.learning_curve import curve_table, run_learning_curve
 from bam_eval.models import EvalModel
 from bam_eval.perplexity import PACKINGS
 from bam_jax.compilation_cache import add_compilation_cache_argument, use_compilation_cache
@@ -226,6 +228,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cp.add_argument("--seed", type=non_negative, default=0)
 
+    curve = sub.add_parser(
+        "curve",
+        help="learning curve: copy probe and passkey accuracy of each checkpoint of a run",
+        **defaults_shown,
+    )
+    curve.add_argument("models", nargs=1, metavar="RUN", help="[NAME=]WORKDIR")
+    add_compilation_cache_argument(curve)
+    curve.add_argument("--out", default="eval_results", help="results and figures folder")
+    curve.add_argument("--no-plots", action="store_true")
+    _inference_options(curve)
+    curve.add_argument(
+        "--multiples",
+        type=_csv(_positive_float),
+        default=[1.0],
+        help="multiples of the training length, e.g. 1,4",
+    )
+    curve.add_argument("--samples", type=positive, default=20, help="samples per length")
+
     ppl = sub.add_parser("perplexity", help="perplexity per window of positions", **defaults_shown)
     _common(ppl)
     _inference_options(ppl)
@@ -259,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_arguments(args)
         use_compilation_cache(args.compilation_cache)
+        if args.command == "curve":
+            return curve(args)
         models = api.load_models(args.models, step=args.step)
         if "dtype" in args:
             print(f"compute dtype: {args.dtype} (parameters float32)")
@@ -347,6 +369,23 @@ def copy(args: argparse.Namespace, models: list[EvalModel]) -> int:
     print(api.copy_table(evaluation.results, train_lengths))
     for m in models:
         print(f"results: {os.path.join(args.out, m.name, 'copy.json')}")
+    return 0
+
+
+def curve(args: argparse.Namespace) -> int:
+    evaluation = run_learning_curve(
+        args.models[0],
+        multiples=args.multiples,
+        samples=args.samples,
+        inference=_inference(args),
+        out=args.out,
+        figures=not args.no_plots,
+    )
+    ((name, points),) = evaluation.results.items()
+    print(f"\nLearning curve of {name}: names copied / letters right, passkeys (%)")
+    print(curve_table(points))
+    _print_figures(evaluation.figures)
+    print(f"results: {os.path.join(args.out, name, 'curve.json')}")
     return 0
 
 

@@ -26,11 +26,11 @@ def workdir(tmp_path_factory) -> str:
 
 
 def _check_provenance(record: dict) -> None:
-    assert CODE_FIELDS <= set(record["code"]) and record["code"]["version"]
+    assert set(record["code"]) >= CODE_FIELDS and record["code"]["version"]
     commit = record["code"]["commit"]
     assert commit is None or re.fullmatch(r"[0-9a-f]{40}", commit)
     assert commit is None or isinstance(record["code"]["dirty"], bool)
-    assert MACHINE_FIELDS <= set(record["machine"])
+    assert set(record["machine"]) >= MACHINE_FIELDS
     assert record["machine"]["float32_matmul_gflops"] > 0 and record["machine"]["cores"] >= 1
     assert record["command"] and record["started"]
 
@@ -64,3 +64,19 @@ def test_every_results_file_carries_its_provenance(workdir, tmp_path, task, argu
     assert invocation["wall_seconds"] > 0
     for run in results["runs"].values():
         assert all(entry["invocation"] == 0 for entry in run["entries"].values())
+
+
+def test_the_learning_curve_scores_every_kept_checkpoint(workdir, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["curve", f"m={workdir}", "--out", str(out), "--samples", "2"]
+    assert bam_eval(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Learning curve of m" in printed and "copy 1x" in printed
+    results = json.loads((out / "m" / "curve.json").read_text())
+    (run,) = results["runs"].values()
+    assert sorted(run["entries"], key=int) == ["2"]
+    point = run["entries"]["2"]
+    assert point["tokens"] == 2 * 4 * 96 and set(point["passkey"]) == {"1x"}
+    assert 0 <= point["copy_letters"]["1x"] <= 1
+    _check_provenance(results["invocations"][0])
+    assert (out / "m" / "curve.png").stat().st_size > 0
