@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from bam_eval import api, plots
+from bam_eval import api, plots, tables
 from bam_eval.learning_curve import curve_table, run_learning_curve
 from bam_eval.models import EvalModel
 from bam_eval.perplexity import PACKINGS
@@ -343,7 +343,7 @@ def passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
         )
         name = "Passkey" if args.task == "passkey" else f"{args.task} ({args.needles} needles)"
         print(f"\n{name} accuracy (%), sampling {sampling}, {args.samples} samples per length")
-        print(api.passkey_table(evaluation.results, train_lengths))
+        print(tables.passkey_table(evaluation.results, train_lengths))
         _print_figures(evaluation.figures[-1:])
     for m in models:
         print(f"results: {os.path.join(args.out, m.name, 'passkey.json')}")
@@ -366,7 +366,7 @@ def copy(args: argparse.Namespace, models: list[EvalModel]) -> int:
     )
     train_lengths = {m.name: m.train_length for m in models}
     print(f"\nCopy probe: names copied exactly / letters right (%), {args.samples} samples")
-    print(api.copy_table(evaluation.results, train_lengths))
+    print(tables.copy_table(evaluation.results, train_lengths))
     for m in models:
         print(f"results: {os.path.join(args.out, m.name, 'copy.json')}")
     return 0
@@ -407,7 +407,7 @@ def perplexity(args: argparse.Namespace, models: list[EvalModel]) -> int:
     )
     n_sequences = next(iter(evaluation.results.values()))["n_sequences"]
     print(f"\nPerplexity per window of {args.window} positions ({n_sequences} sequences)")
-    print(api.perplexity_table(evaluation.results))
+    print(tables.perplexity_table(evaluation.results))
     _print_figures(evaluation.figures)
     return 0
 
@@ -425,7 +425,7 @@ def prior(args: argparse.Namespace, models: list[EvalModel]) -> int:
         shown = result["shown"]
         print(f"\n{m.name} ({m.config.encoding}): positional parameters")
         print(
-            api.format_table(
+            tables.format_table(
                 list(shown[0]), [[plots.format_cell(r.get(c)) for c in shown[0]] for r in shown]
             )
         )

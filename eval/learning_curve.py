@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from bam_eval import api, plots
+from bam_eval import api, plots, tables
 from bam_eval.api import InferenceSettings
 from bam_eval.models import parse_model_arg
 from bam_jax.io.checkpoints import checkpoint_steps
@@ -107,4 +107,4 @@ def curve_table(points: Sequence[dict[str, Any]]) -> str:
         + [f"{100 * p['passkey'][m]:.0f}" for m in multiples]
         for p in points
     ]
-    return api.format_table(header, rows)
+    return tables.format_table(header, rows)
