@@ -36,7 +36,7 @@ import numpy as np
 from bam_jax.attention import dot_product_attention
 from bam_jax.kernels import cpu
 from bam_jax.priors import GGDPrior
-from bench.matmul_rate import matmul_gflops
+from bam_jax.provenance import matmul_gflops
 
 HEADS, HEAD_DIM, KEYS = 8, 64, 8192
 SHAPES = {"prefill 512 x 8192": 512, "decode 1 x 8192": 1}

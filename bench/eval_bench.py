@@ -66,8 +66,8 @@ def measure(
     from bam_jax.config import ModelConfig
     from bam_jax.inference import ChunkedForward
     from bam_jax.model import Transformer
+    from bam_jax.provenance import matmul_gflops
     from bam_jax.tokenizers import get_tokenizer
-    from bench.matmul_rate import matmul_gflops
 
     spec = dict(MODELS[model_name])
     config = ModelConfig.of_size(spec.pop("preset"), encoding="bam_ssmax", **spec)

@@ -57,7 +57,7 @@ def test_a_fresh_store_does_not_read_the_file(tmp_path) -> None:
     assert path.read_text() == "not json"
     store.put({"seed": 0}, "300", {"accuracy": 1.0})
     assert json.loads(path.read_text())["runs"] == {
-        "seed=0": {"settings": {"seed": 0}, "entries": {"300": {"accuracy": 1.0}}}
+        "seed=0": {"settings": {"seed": 0}, "entries": {"300": {"accuracy": 1.0, "invocation": 0}}}
     }
 
 
