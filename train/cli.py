@@ -64,6 +64,7 @@ from bam_train.peers import (
     RunPlace,
     await_runtime_verdict,
     is_peer_failure,
+    quiet_peer_failure_reports,
     supervise,
 )
 from bam_train.setup import build
@@ -447,6 +448,8 @@ def run(argv: list[str]) -> int:
     initialize_distributed(flag_values)
     quiet_orphaned_checkpoint_reads()
     quiet_full_disk_reports()
+    if mode != "off" and not flag_values.debug:
+        quiet_peer_failure_reports()
     log_to_stdout()
 
     try:

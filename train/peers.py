@@ -17,8 +17,10 @@ multi-process training in a child process and watches it (`supervise`):
 In the child, a collective that fails because its peer vanished (gloo's "Connection reset
 by peer") raises in Python before the runtime has said which process was lost; the child
 then waits for the runtime's verdict (`await_runtime_verdict`) instead of printing a
-traceback. The child dies with its parent (Linux: PR_SET_PDEATHSIG), so killing a process
-of the run kills its training.
+traceback, and what orbax's background save thread logs about such a failure (its barrier
+with the lost peer) is dropped (`quiet_peer_failure_reports`): the error reaches the
+training's thread as well, at its next save. The child dies with its parent (Linux:
+PR_SET_PDEATHSIG), so killing a process of the run kills its training.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import logging
 import os
 import re
 import signal
@@ -55,6 +58,8 @@ PEER_FAILURE_TEXTS = (
     "Socket closed",
     "coordination service",
     "heartbeat timeout",
+    # orbax's cross-process barriers (an asynchronous save's commit): a peer that never came
+    "barrier",
 )
 HEARTBEAT_TASKS = re.compile(r"Task (\d+) heartbeat timeout")
 UNHEALTHY = "stopped sending heartbeats):"
@@ -193,6 +198,23 @@ def is_peer_failure(err: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+class _PeerFailureReports(logging.Filter):
+    """Drops log records whose error is a peer failure (`is_peer_failure`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or not is_peer_failure(error)
+
+
+def quiet_peer_failure_reports() -> None:
+    """Keep orbax's and asyncio's logs of peer failures, with their tracebacks, out of a
+    multi-process run's output: the survivor says what happened in one line."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _PeerFailureReports) for f in logger.filters):
+            logger.addFilter(_PeerFailureReports())
 
 
 def await_runtime_verdict(err: BaseException, peer_timeout_s: int, debug: bool) -> None:

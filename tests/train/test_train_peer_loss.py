@@ -3,6 +3,7 @@ seconds, with one line naming it and the last complete checkpoint and exit statu
 the same command on every process resumes from that checkpoint exactly."""
 
 import json
+import logging
 import os
 import re
 import signal
@@ -67,6 +68,25 @@ def test_a_failed_collective_counts_as_a_peer_failure():
     except ValueError as err:
         assert peers.is_peer_failure(err)
     assert not peers.is_peer_failure(ValueError("config: steps must be >= 1"))
+
+
+def test_orbax_s_log_of_a_barrier_with_a_lost_peer_is_dropped(caplog, monkeypatch):
+    # What orbax's background save thread logs when a peer dies during an asynchronous save.
+    absl = logging.getLogger("absl")
+    monkeypatch.setattr(absl, "filters", [])
+    peers.quiet_peer_failure_reports()
+    with caplog.at_level(logging.ERROR):
+        for error in (
+            TimeoutError("Timed out while waiting for async_write_complete barrier."),
+            ValueError("a failure of another kind"),
+        ):
+            try:
+                raise error
+            except Exception:
+                absl.error("Failed to run 1 Handler Commit operations: %s", error, exc_info=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Failed to run 1 Handler Commit operations: a failure of another kind"
+    ]
 
 
 def _fake_child(report: list[str], status: str) -> list[str]:
