@@ -10,7 +10,7 @@ the same function:
   the tile loop, Pallas on GPU (Triton) and TPU (Mosaic), native code on CPU; see
   bam_jax/pallas_attention.py. `bam_jax.implementation.resolve_implementation` decides
   what "auto" runs: the fused kernel only on device kinds where
-  bench/accelerator_check.py has passed (docs/accelerators.md).
+  bench/accelerator_check/ has passed (docs/accelerators.md).
 
 Positions: key slot s sits at position s; query t sits at `query_offset + t`. With a KV
 cache of capacity S, unfilled slots lie in the future of every query and are masked by

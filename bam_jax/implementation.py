@@ -21,7 +21,7 @@ IMPLEMENTATIONS: tuple[Implementation, ...] = ("reference", "blockwise", "fused"
 IMPLEMENTATION_ALIASES: dict[str, Implementation] = {"pallas": "fused"}
 IMPLEMENTATION_CHOICES = ("auto", *IMPLEMENTATIONS, *IMPLEMENTATION_ALIASES)
 # Device kinds (`jax.Device.device_kind`) on which the compiled fused kernels passed
-# bench/accelerator_check.py; the evidence (device, date, table) is in docs/accelerators.md.
+# bench/accelerator_check/; the evidence (device, date, table) is in docs/accelerators.md.
 FUSED_VALIDATED_DEVICES: tuple[str, ...] = ()
 
 

@@ -70,7 +70,7 @@ class GpuDefaults(NamedTuple):
     num_stages: int
 
 
-# By padded head dim. Not tuned on hardware yet: `bench/accelerator_check.py --autotune`
+# By padded head dim. Not tuned on hardware yet: `bench/accelerator_check/ --autotune`
 # sweeps the alternatives.
 GPU_DEFAULTS = {
     16: GpuDefaults(128, 64, 4, 2),

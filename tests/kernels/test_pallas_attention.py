@@ -227,7 +227,7 @@ class FakeDevice:
 
 
 def test_dispatch_and_default_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Blockwise everywhere until a device kind has passed bench/accelerator_check.py.
+    # Blockwise everywhere until a device kind has passed bench/accelerator_check/.
     assert resolve_implementation() == "blockwise"
     h200 = FakeDevice("gpu", "NVIDIA H200")
     assert resolve_implementation(device=h200) == "blockwise"
