@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from bam_jax.attention_spec import AttentionSpec
-from bam_jax.pallas_attention import pallas_attention
+from bam_jax.fused_attention import fused_attention
 from bench.accelerator_check.gate import make_prior
 from bench.accelerator_check.report import Deadline, Report, one_line
 from bench.accelerator_check.settings import Settings
@@ -57,7 +57,7 @@ def run_autotune(
         spec = AttentionSpec(block_q=config["block_q"], block_k=config["block_k"])
         fn = jax.jit(
             functools.partial(
-                pallas_attention,
+                fused_attention,
                 spec=spec,
                 backend=s.backend,
                 interpret=s.interpret,

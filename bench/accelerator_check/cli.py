@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from bam_jax.implementation import FUSED_VALIDATED_DEVICES
+from bam_jax.kernels.registry import FUSED_BACKENDS
 from bam_jax.provenance import matmul_gflops
 from bench.accelerator_check import __doc__ as DESCRIPTION
 from bench.accelerator_check.autotune import run_autotune
@@ -76,13 +76,14 @@ def header(settings: Settings, args: argparse.Namespace, today: datetime.date) -
     mode = "compiled"
     if settings.interpret:
         mode = "smoke run, Pallas in interpret mode: timings mean nothing"
-    validated = "yes" if kind in FUSED_VALIDATED_DEVICES else "no"
+    backend = FUSED_BACKENDS.get(settings.platform)
+    validated = "yes" if backend and kind in backend.validated_devices else "no"
     return [
         f"# Accelerator check: {kind}, {today.isoformat()}",
         "",
         f"jax {jax.__version__}, platform {settings.platform}, {jax.device_count()} device(s), "
         f"{mode}; deadline {args.deadline_s:.0f} s. "
-        f"Listed in FUSED_VALIDATED_DEVICES: {validated}.",
+        f"Listed in the {settings.platform} backend's validated_devices: {validated}.",
     ]
 
 

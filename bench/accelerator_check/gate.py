@@ -13,8 +13,8 @@ import numpy as np
 
 from bam_jax.attention import reference_attention
 from bam_jax.attention_spec import AttentionSpec
+from bam_jax.fused_attention import fused_attention
 from bam_jax.masking import AttentionMask, visibility_mask
-from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
 from bench.accelerator_check.report import Report, one_line
 from bench.accelerator_check.settings import Settings
@@ -190,7 +190,7 @@ def gate_functions(case: GateCase, inputs: dict, settings: Settings) -> tuple[Ca
     tiled = spec.replace(block_q=settings.block_q, block_k=settings.block_k)
 
     def kernel(q, k, v, prior, ssmax):
-        return pallas_attention(
+        return fused_attention(
             q,
             k,
             v,

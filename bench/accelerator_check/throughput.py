@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.blockwise import blockwise_attention
-from bam_jax.pallas_attention import pallas_attention
+from bam_jax.fused_attention import fused_attention
 from bam_jax.priors import AlibiPrior, GGDPrior
 from bench.accelerator_check.gate import make_prior
 from bench.accelerator_check.report import Deadline, Report, UserError, one_line
@@ -79,7 +79,7 @@ def attention_variant(variant: str, settings: Settings) -> Callable:
         backward="blockwise" if "bwdblockwise" in variant else None,
     )
     spec = AttentionSpec(block_q=settings.block_q, block_k=settings.block_k)
-    return lambda q, k, v, prior: pallas_attention(q, k, v, spec, prior=prior, **options)
+    return lambda q, k, v, prior: fused_attention(q, k, v, spec, prior=prior, **options)
 
 
 def _jax_pallas_mha(settings: Settings) -> Callable:

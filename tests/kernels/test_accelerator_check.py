@@ -73,7 +73,7 @@ def test_gate_fails_a_kernel_that_ignores_the_prior(
 
     first_case = gate.gate_cases(smoke=True)[:1]
     monkeypatch.setattr(gate, "gate_cases", lambda smoke: first_case)
-    monkeypatch.setattr(gate, "pallas_attention", kernel_without_prior)
+    monkeypatch.setattr(gate, "fused_attention", kernel_without_prior)
     table = report.Report(tmp_path / "table.md")
     assert not gate.run_gate(table, SMOKE_SETTINGS)
     text = table.path.read_text()
