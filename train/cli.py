@@ -38,7 +38,6 @@ with one line naming it and the checkpoint the restart resumes from.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -55,28 +54,24 @@ from bam_jax import compilation_cache
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_train.checkpoint import DiskFullError, quiet_full_disk_reports
+from bam_train.distributed import (
+    DISTRIBUTED_MODES,
+    distributed_mode,
+    initialize_distributed,
+    peer_failures_wait_for_the_runtime,
+    run_place,
+)
 from bam_train.dry_run import dry_run, format_dry_run
 from bam_train.loop import train
 from bam_train.peers import (
     CHILD_ENV,
     DEFAULT_PEER_TIMEOUT_S,
-    RunPlace,
-    await_runtime_verdict,
-    is_peer_failure,
     quiet_peer_failure_reports,
     supervise,
 )
 from bam_train.setup import build
 from bam_train.signals import INTERRUPTED_STATUS
 from bam_train.step import NonFiniteLossError
-
-DISTRIBUTED_MODES = ("auto", "cluster", "off")
-
-# Process counts that jax's cluster detection reads, by scheduler.
-CLUSTER_PROCESS_COUNTS = {
-    "Slurm": "SLURM_NTASKS",
-    "Open MPI": "OMPI_COMM_WORLD_SIZE",
-}
 
 CONFIG_HELP = (
     f"A preset name ({', '.join(TRAINING_PRESETS)}: configs/presets.py), a Python file with "
@@ -275,55 +270,6 @@ def _check_process_flags(flag_values: flags.FlagValues) -> None:
         )
 
 
-def distributed_mode(flag_values: flags.FlagValues, environ: dict[str, str]) -> str:
-    """How to start: "explicit" (the flags), "cluster" (jax detects the cluster) or "off"."""
-    if flag_values.distributed == "off":
-        return "off"
-    if flag_values.distributed == "cluster":
-        return "cluster"
-    if flag_values.num_processes > 1:
-        return "explicit"
-    if detected_cluster(environ) is not None:
-        return "cluster"
-    return "off"
-
-
-def detected_cluster(environ: dict[str, str]) -> str | None:
-    """The scheduler that started several processes of this job, if any."""
-    for name, variable in CLUSTER_PROCESS_COUNTS.items():
-        if environ.get(variable, "1").strip() not in ("", "0", "1"):
-            return name
-    if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
-        return "TPU pod"
-    return None
-
-
-def initialize_distributed(flag_values: flags.FlagValues) -> None:
-    mode = distributed_mode(flag_values, dict(os.environ))
-    if mode == "off":
-        return
-    import jax
-
-    if flag_values.cpu_collectives != "none":
-        jax.config.update("jax_cpu_collectives_implementation", flag_values.cpu_collectives)
-    heartbeat = {"heartbeat_timeout_seconds": flag_values.peer_timeout}
-    if mode == "cluster":
-        jax.distributed.initialize(**heartbeat)
-        return
-    jax.distributed.initialize(
-        coordinator_address=flag_values.coordinator,
-        num_processes=flag_values.num_processes,
-        process_id=flag_values.process_id,
-        **heartbeat,
-    )
-
-
-def _run_place(flag_values: flags.FlagValues, mode: str) -> RunPlace:
-    if mode != "explicit":
-        return RunPlace(flag_values.workdir)
-    return RunPlace(flag_values.workdir, flag_values.process_id, flag_values.num_processes)
-
-
 def run(argv: list[str]) -> int:
     """`bam-train` with a full argv; the exit status (2: a bad flag or config)."""
     try:
@@ -347,7 +293,7 @@ def run(argv: list[str]) -> int:
         return 2
     mode = distributed_mode(flag_values, dict(os.environ))
     if mode != "off" and CHILD_ENV not in os.environ:
-        return supervise(argv, _run_place(flag_values, mode), flag_values.debug)
+        return supervise(argv, run_place(flag_values, mode), flag_values.debug)
     initialize_distributed(flag_values)
     quiet_orphaned_checkpoint_reads()
     quiet_full_disk_reports()
@@ -356,7 +302,7 @@ def run(argv: list[str]) -> int:
     log_to_stdout()
 
     try:
-        with _peer_failures_wait_for_the_runtime(mode, flag_values):
+        with peer_failures_wait_for_the_runtime(mode, flag_values):
             if flag_values.dry_run:
                 print(format_dry_run(dry_run(build(cfg))))
                 return 0
@@ -387,18 +333,6 @@ def run(argv: list[str]) -> int:
         f"loss {result.last_loss}"
     )
     return 0
-
-
-@contextlib.contextmanager
-def _peer_failures_wait_for_the_runtime(mode: str, flag_values: flags.FlagValues):
-    """A multi-process run's error that a lost peer caused waits for the runtime to name
-    the peer (bam_train.peers) instead of being printed."""
-    try:
-        yield
-    except Exception as err:
-        if mode == "off" or not is_peer_failure(err):
-            raise
-        await_runtime_verdict(err, flag_values.peer_timeout, flag_values.debug)
 
 
 def _help() -> str:
