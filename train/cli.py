@@ -38,32 +38,34 @@ with one line naming it and the checkpoint the restart resumes from.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import re
 import sys
-import traceback
-import types
 
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
-from bam_configs.presets import TRAINING_PRESETS, preset
+from bam_configs.loading import load_config
+from bam_configs.presets import TRAINING_PRESETS
 from bam_configs.training import TrainConfig, describe_type, field_type, to_config_dict
 from bam_jax import compilation_cache
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
 from bam_jax.logs import log_to_stdout
 from bam_train.checkpoint import DiskFullError, quiet_full_disk_reports
+from bam_train.distributed import (
+    DISTRIBUTED_MODES,
+    distributed_mode,
+    initialize_distributed,
+    peer_failures_wait_for_the_runtime,
+    run_place,
+)
 from bam_train.dry_run import dry_run, format_dry_run
 from bam_train.loop import train
 from bam_train.peers import (
     CHILD_ENV,
     DEFAULT_PEER_TIMEOUT_S,
-    RunPlace,
-    await_runtime_verdict,
-    is_peer_failure,
     quiet_peer_failure_reports,
     supervise,
 )
@@ -71,120 +73,16 @@ from bam_train.setup import build
 from bam_train.signals import INTERRUPTED_STATUS
 from bam_train.step import NonFiniteLossError
 
-DISTRIBUTED_MODES = ("auto", "cluster", "off")
-
-# Process counts that jax's cluster detection reads, by scheduler.
-CLUSTER_PROCESS_COUNTS = {
-    "Slurm": "SLURM_NTASKS",
-    "Open MPI": "OMPI_COMM_WORLD_SIZE",
-}
-
 CONFIG_HELP = (
     f"A preset name ({', '.join(TRAINING_PRESETS)}: configs/presets.py), a Python file with "
     "get_config() (FILE.py:ARG calls get_config(ARG)), or a config.json written by a run. "
     "Override any field with --config.FIELD=VALUE, e.g. --config.steps=1000 "
     "--config.model.encoding=rope --config.optim.lr=3e-4 --config.data.path=DIR."
 )
-PY_CONFIG_RESULT = "an ml_collections ConfigDict of TrainConfig fields or a TrainConfig"
 # An override such as --config.model.dim=64, --config.steps 5 or --noconfig.progress_bar.
 OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]*)")
 # How absl reports a value it cannot parse: "flag --NAME=VALUE: REASON".
 BAD_OVERRIDE_VALUE = re.compile(r"^flag --config\.([\w.]+)=(.*?): ", re.DOTALL)
-
-
-def load_config(spec: str) -> TrainConfig:
-    """The config `--config=SPEC` names: a training preset, a .py file with get_config()
-    (`FILE.py:ARG` calls get_config(ARG)) or a config.json."""
-    path, _, arg = spec.partition(":")
-    if path.endswith(".py"):
-        return _python_config(path, arg or None)
-    if spec in TRAINING_PRESETS:
-        return preset(spec)
-    if spec.endswith(".json"):
-        return TrainConfig.from_dict(_read_json_config(spec))
-    if os.path.isdir(spec):
-        raise ValueError(
-            f"config: {spec!r} is a directory; pass a preset name, a .py file or a "
-            f"config.json (a run's is {os.path.join(spec, 'config.json')})"
-        )
-    raise ValueError(
-        f"config: unknown preset {spec!r}; expected one of {sorted(TRAINING_PRESETS)}, "
-        "a .py file with get_config() or a .json file"
-    )
-
-
-def _read_json_config(path: str) -> dict:
-    if os.path.isdir(path):
-        raise ValueError(f"config: {path!r} is a directory, not a config.json file")
-    if not os.path.isfile(path):
-        raise ValueError(f"config: file {path!r} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"config: {path} line {err.lineno} column {err.colno}: not valid JSON: {err.msg}"
-        ) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"config: cannot read {path}: {err}") from None
-    if not isinstance(d, dict):
-        raise ValueError(
-            f"config: {path} must hold a JSON object of config fields, got a JSON "
-            f"{type(d).__name__}"
-        )
-    return d
-
-
-def _python_config(path: str, arg: str | None) -> TrainConfig:
-    module = _run_config_file(path)
-    get_config = getattr(module, "get_config", None)
-    if not callable(get_config):
-        raise ValueError(
-            f"config: {path} defines no get_config(); define one returning {PY_CONFIG_RESULT}"
-        )
-    try:
-        config = get_config() if arg is None else get_config(arg)
-    except Exception as err:
-        raise _config_file_error(path, err) from None
-    if isinstance(config, TrainConfig):
-        return config
-    if isinstance(config, ConfigDict):
-        return TrainConfig.from_dict(config.to_dict())
-    raise ValueError(
-        f"config: {path}: get_config() returned {type(config).__name__}; expected "
-        f"{PY_CONFIG_RESULT}"
-    )
-
-
-def _run_config_file(path: str) -> types.ModuleType:
-    """The module of a config file, run; its errors name the file and line."""
-    if not os.path.isfile(path):
-        raise ValueError(f"config: file {path!r} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            code = compile(f.read(), path, "exec")
-    except SyntaxError as err:
-        raise ValueError(
-            f"config: {path} line {err.lineno}: {type(err).__name__}: {err.msg}"
-        ) from None
-    except (OSError, ValueError) as err:
-        raise ValueError(f"config: cannot read {path}: {err}") from None
-    module = types.ModuleType("bam_train_config")
-    module.__file__ = path
-    # Dataclasses defined in the file look their module up in sys.modules.
-    sys.modules[module.__name__] = module
-    try:
-        exec(code, module.__dict__)
-    except Exception as err:
-        raise _config_file_error(path, err) from None
-    return module
-
-
-def _config_file_error(path: str, err: Exception) -> ValueError:
-    """`err`, raised by the code of config file `path`, as one line naming the file's line."""
-    lines = [f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == path]
-    where = f"{path} line {lines[-1]}" if lines else path
-    return ValueError(f"config: {where}: {type(err).__name__}: {err}")
 
 
 def _config_spec(argv: list[str]) -> tuple[str, list[str]]:
@@ -372,55 +270,6 @@ def _check_process_flags(flag_values: flags.FlagValues) -> None:
         )
 
 
-def distributed_mode(flag_values: flags.FlagValues, environ: dict[str, str]) -> str:
-    """How to start: "explicit" (the flags), "cluster" (jax detects the cluster) or "off"."""
-    if flag_values.distributed == "off":
-        return "off"
-    if flag_values.distributed == "cluster":
-        return "cluster"
-    if flag_values.num_processes > 1:
-        return "explicit"
-    if detected_cluster(environ) is not None:
-        return "cluster"
-    return "off"
-
-
-def detected_cluster(environ: dict[str, str]) -> str | None:
-    """The scheduler that started several processes of this job, if any."""
-    for name, variable in CLUSTER_PROCESS_COUNTS.items():
-        if environ.get(variable, "1").strip() not in ("", "0", "1"):
-            return name
-    if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
-        return "TPU pod"
-    return None
-
-
-def initialize_distributed(flag_values: flags.FlagValues) -> None:
-    mode = distributed_mode(flag_values, dict(os.environ))
-    if mode == "off":
-        return
-    import jax
-
-    if flag_values.cpu_collectives != "none":
-        jax.config.update("jax_cpu_collectives_implementation", flag_values.cpu_collectives)
-    heartbeat = {"heartbeat_timeout_seconds": flag_values.peer_timeout}
-    if mode == "cluster":
-        jax.distributed.initialize(**heartbeat)
-        return
-    jax.distributed.initialize(
-        coordinator_address=flag_values.coordinator,
-        num_processes=flag_values.num_processes,
-        process_id=flag_values.process_id,
-        **heartbeat,
-    )
-
-
-def _run_place(flag_values: flags.FlagValues, mode: str) -> RunPlace:
-    if mode != "explicit":
-        return RunPlace(flag_values.workdir)
-    return RunPlace(flag_values.workdir, flag_values.process_id, flag_values.num_processes)
-
-
 def run(argv: list[str]) -> int:
     """`bam-train` with a full argv; the exit status (2: a bad flag or config)."""
     try:
@@ -444,7 +293,7 @@ def run(argv: list[str]) -> int:
         return 2
     mode = distributed_mode(flag_values, dict(os.environ))
     if mode != "off" and CHILD_ENV not in os.environ:
-        return supervise(argv, _run_place(flag_values, mode), flag_values.debug)
+        return supervise(argv, run_place(flag_values, mode), flag_values.debug)
     initialize_distributed(flag_values)
     quiet_orphaned_checkpoint_reads()
     quiet_full_disk_reports()
@@ -453,7 +302,7 @@ def run(argv: list[str]) -> int:
     log_to_stdout()
 
     try:
-        with _peer_failures_wait_for_the_runtime(mode, flag_values):
+        with peer_failures_wait_for_the_runtime(mode, flag_values):
             if flag_values.dry_run:
                 print(format_dry_run(dry_run(build(cfg))))
                 return 0
@@ -484,18 +333,6 @@ def run(argv: list[str]) -> int:
         f"loss {result.last_loss}"
     )
     return 0
-
-
-@contextlib.contextmanager
-def _peer_failures_wait_for_the_runtime(mode: str, flag_values: flags.FlagValues):
-    """A multi-process run's error that a lost peer caused waits for the runtime to name
-    the peer (bam_train.peers) instead of being printed."""
-    try:
-        yield
-    except Exception as err:
-        if mode == "off" or not is_peer_failure(err):
-            raise
-        await_runtime_verdict(err, flag_values.peer_timeout, flag_values.debug)
 
 
 def _help() -> str:

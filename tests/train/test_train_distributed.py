@@ -3,7 +3,10 @@
 import jax
 import pytest
 
-from bam_train import cli
+from bam_train import cli, distributed
+from bam_train.peers import DEFAULT_PEER_TIMEOUT_S
+
+HEARTBEAT = {"heartbeat_timeout_seconds": DEFAULT_PEER_TIMEOUT_S}
 
 
 def flags_for(*extra: str):
@@ -31,15 +34,15 @@ def flags_for(*extra: str):
     ],
 )
 def test_distributed_mode(extra, environ, expected):
-    assert cli.distributed_mode(flags_for(*extra), environ) == expected
+    assert distributed.distributed_mode(flags_for(*extra), environ) == expected
 
 
 def test_cluster_mode_lets_jax_detect_the_cluster(monkeypatch):
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append((a, kw)))
     monkeypatch.setenv("SLURM_NTASKS", "8")
-    cli.initialize_distributed(flags_for("--cpu_collectives=none"))
-    assert calls == [((), {})]
+    distributed.initialize_distributed(flags_for("--cpu_collectives=none"))
+    assert calls == [((), HEARTBEAT)]
 
 
 def test_explicit_flags_are_passed_on(monkeypatch):
@@ -47,8 +50,9 @@ def test_explicit_flags_are_passed_on(monkeypatch):
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append((a, kw)))
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
     extra = ("--coordinator=h:1", "--num_processes=2", "--process_id=1", "--cpu_collectives=none")
-    cli.initialize_distributed(flags_for(*extra))
-    assert calls == [((), {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1})]
+    distributed.initialize_distributed(flags_for(*extra))
+    explicit = {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}
+    assert calls == [((), {**explicit, **HEARTBEAT})]
 
 
 def test_unknown_distributed_mode_is_one_line(capsys):
