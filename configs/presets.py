@@ -91,10 +91,10 @@ def quickstart() -> TrainConfig:
     Each layer has its own prior, starting with ALiBi slopes and shapes spread over [0, 1]
     (local and flat heads) and learning ten times faster than the weights, so local and
     retrieval heads separate within the short run. The first layer is a local layer: each
-    query sees the latest 16 tokens (`local_layers=1, local_window=16`), so at 500x it reads
-    the preceding tokens exactly as in training, and none of its heads can average over the
-    whole prompt, a signal that changes with length and that the retrieval head of the
-    second layer, which copies the key digit by digit, misreads. Next-token loss on 16 random
+    query sees itself and the 16 tokens before it (`local_layers=1, local_window=16`), so at
+    500x it reads the preceding tokens exactly as in training, and none of its heads can
+    average over the whole prompt, a signal that changes with length and that the retrieval
+    head of the second layer, which copies the key digit by digit, misreads. Next-token loss on 16 random
     prompt positions per row, besides the answer digits, trains the first layer's local heads
     to read the preceding tokens. The vocabulary is Mistral's cut down to the passkey
     strings' tokens, which halves the step time against the full 32768-way output layer.
