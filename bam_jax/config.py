@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
+import jax.numpy as jnp
+
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.implementation import canonical_implementation
 from bam_jax.priors import check_ggd_form
@@ -130,7 +132,8 @@ class ModelConfig:
     `local_window` is the window w of rope_local and of the local layers, in keys back from
     the query: it sees w + 1 keys, as `AttentionSpec.window` (0: itself only; None =
     max_seq_len, as in the reference's rope_local, which masks keys farther than that);
-    `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below);
+    `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below; a
+    dtype object such as `jnp.bfloat16` is stored as its name);
     `attention_impl` ("reference", "blockwise" or "fused"; "pallas" is fused's earlier
     name, stored as "fused"), `block_q`, `block_k` select the attention kernel and its tiles
     (None: the implementation's default, which for the fused kernel depends on the backend
@@ -205,8 +208,7 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
         implementation = canonical_implementation(
             self.attention_impl, field="attention_impl", allow_auto=False
         )
@@ -371,6 +373,22 @@ class ModelConfig:
         """The config of a mapping such as a run's config.json "model" section
         (`bam_jax.validation.dataclass_from_dict`: errors name the key path)."""
         return dataclass_from_dict(cls, d, path)
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name in DTYPES of a compute dtype given as a name ("bfloat16") or a dtype object
+    (`jnp.bfloat16`, `np.dtype("float32")`); a ValueError for any other."""
+    name = dtype
+    if not isinstance(dtype, str):
+        try:
+            name = jnp.dtype(dtype).name
+        except TypeError:
+            name = None
+    if name not in DTYPES:
+        raise ValueError(
+            f"dtype must be one of {DTYPES} (a name or a dtype such as jnp.bfloat16), got {dtype!r}"
+        )
+    return name
 
 
 def _check_init(name: str, value: Any, modes: tuple[str, ...], *, positive: bool) -> None:
