@@ -409,19 +409,22 @@ def _decode_loop(
 ) -> jax.Array:
     """Decodes `max_new_tokens` tokens; `temperature` is None for greedy decoding, else a
     float32 scalar, so every temperature shares one program."""
-    model = nnx.merge(graphdef, state)
     batch = logits_BxV.shape[0]
 
     def body(i, carry):
-        logits_BxV, cache, out_BxT = carry
+        # The model is merged inside the loop and its state carried: a model that updates
+        # a variable when called (the RNG counts of a Linen model under nnx.bridge.ToNNX)
+        # may only do so at the loop's own trace level.
+        logits_BxV, cache, out_BxT, state = carry
+        model = nnx.merge(graphdef, state)
         token_B = sample_token(logits_BxV, jax.random.fold_in(key, i), temperature)
         out_BxT = out_BxT.at[:, i].set(token_B)
         logits_Bx1xV, cache = model(token_B[:, None], cache=cache)
-        return logits_Bx1xV[:, 0], cache, out_BxT
+        return logits_Bx1xV[:, 0], cache, out_BxT, nnx.state(model)
 
     out_BxT = jnp.zeros((batch, max_new_tokens), jnp.int32)
-    _, _, out_BxT = jax.lax.fori_loop(0, max_new_tokens, body, (logits_BxV, cache, out_BxT))
-    return out_BxT
+    carry = (logits_BxV, cache, out_BxT, state)
+    return jax.lax.fori_loop(0, max_new_tokens, body, carry)[2]
 
 
 def generate(
