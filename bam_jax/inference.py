@@ -143,14 +143,15 @@ class ChunkedForward:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         _check_module(model)
         self.chunk_size = chunk_size
-        self._cache_factory = cache_factory or default_cache_factory(model)
+        # The model's own factory is looked up only when a cache is made without one given.
+        self._cache_factory = cache_factory or functools.partial(model_cache_factory, model)
         self.min_capacity = 0
         self.stats = ChunkStats()
         self.graphdef, self.state = nnx.split(model)
 
     def cache_factory(self, batch: int, capacity: int) -> Any:
-        """An empty cache of `capacity` slots for `batch` rows."""
-        return _needed(self._cache_factory)(batch, capacity)
+        """An empty cache of `capacity` slots for `batch` rows, each buffer its own."""
+        return unaliased(self._cache_factory(batch, capacity))
 
     def capacity_for(self, n_tokens: int) -> int:
         """Cache slots the scoring helpers use for a sequence of ``n_tokens``."""
@@ -234,19 +235,16 @@ class ChunkedForward:
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def default_cache_factory(model: Any) -> CacheFactory | None:
-    """`init_cache` with the model's config where it has a `ModelConfig`, else None."""
+def model_cache_factory(model: Any, batch: int, capacity: int) -> KVCache:
+    """`init_cache` with the model's config, for a model that has a `ModelConfig` as its
+    `config`; a TypeError saying what to pass for any other."""
     config = getattr(model, "config", None)
-    return functools.partial(init_cache, config) if isinstance(config, ModelConfig) else None
-
-
-def _needed(cache_factory: CacheFactory | None) -> CacheFactory:
-    if cache_factory is None:
+    if not isinstance(config, ModelConfig):
         raise TypeError(
-            "the model has no bam_jax ModelConfig as its `config` to size a cache from: pass "
-            "cache_factory=(batch, capacity) -> an empty cache of its own, or a cache"
+            f"{type(model).__name__} has no bam_jax ModelConfig as its `config` to size a cache "
+            "from: pass cache_factory=(batch, capacity) -> an empty cache of its own, or a cache"
         )
-    return cache_factory
+    return init_cache(config, batch, capacity)
 
 
 def _check_module(model: Any) -> None:
@@ -465,7 +463,7 @@ def generate(
     chunk_size = min(chunk_size, length)
     capacity = math.ceil(length / chunk_size) * chunk_size + max_new_tokens
     if cache is None:
-        cache = _needed(cache_factory or default_cache_factory(model))(batch, capacity)
+        cache = (cache_factory or functools.partial(model_cache_factory, model))(batch, capacity)
     _check_room(cache, capacity)
     logits_BxV, cache = prefill(model, prompt_BxT, cache, chunk_size=chunk_size)
     graphdef, state = nnx.split(model)

@@ -285,8 +285,11 @@ def _check_concrete_shapes(fused: FusedBackend, q: jax.Array, k: jax.Array) -> N
         raise ValueError(
             f"the fused attention kernel ({fused.name!r} backend) needs concrete shapes and got "
             f"query {q.shape}, key {k.shape}: it cannot be exported with symbolic dimensions "
-            "(jax.export's shape polymorphism); export implementation='blockwise', which "
-            "computes the same function for any batch and length"
+            "(jax.export's shape polymorphism): its tiles and grid are chosen from the lengths "
+            "when it is traced, Pallas' Triton lowering takes no symbolic grid, and the native "
+            "CPU kernel is a custom call that jax.export does not serialise; export "
+            "implementation='blockwise', which computes the same function for any batch and "
+            "length"
         )
 
 

@@ -15,11 +15,16 @@ from flax import nnx
 from jax import export
 
 import bam_jax
+from bam_jax.inference import ChunkedForward
+from bam_jax.linen import linen_attention
 from tests.support.cpu_compiler import needs_compiler
 from tests.support.host_devices import host_devices_result
 from tests.support.own_decoders import (
+    CONFIG,
     FIRST_WINDOW,
+    HEADS,
     VOCAB,
+    WIDTH,
     LinenDecoder,
     NNXDecoder,
     empty_cache,
@@ -33,10 +38,21 @@ def tokens_of(batch: int, length: int, seed: int = 0) -> jax.Array:
     return jax.random.randint(jax.random.key(seed), (batch, length), 0, VOCAB)
 
 
+class UnreadConfigDecoder(NNXDecoder):
+    """A decoder whose `config` is its own business: decoding it with a cache or a cache
+    factory must not read it."""
+
+    @property
+    def config(self):
+        raise AssertionError("model.config was read although a cache or a factory was given")
+
+
 def own_model(kind: str, **options) -> nnx.Module:
     """The NNX decoder, or the Linen one with its variables under nnx.bridge.ToNNX."""
     if kind == "nnx":
         return NNXDecoder(nnx.Rngs(0), **options)
+    if kind == "nnx_unread_config":
+        return UnreadConfigDecoder(nnx.Rngs(0), **options)
     return linen_as_nnx(LinenDecoder(**options), tokens_of(1, 8))
 
 
@@ -44,7 +60,7 @@ def forward(model: nnx.Module, tokens_BxT: jax.Array) -> jax.Array:
     return nnx.jit(lambda m, t: m(t))(model, tokens_BxT)
 
 
-@pytest.mark.parametrize("kind", ["nnx", "linen"])
+@pytest.mark.parametrize("kind", ["nnx_unread_config", "linen"])
 def test_prefill_decode_and_generate_take_a_model_without_a_config(kind):
     model = own_model(kind)
     tokens_BxT = tokens_of(2, TOTAL)
@@ -64,8 +80,9 @@ def test_prefill_decode_and_generate_take_a_model_without_a_config(kind):
     np.testing.assert_array_equal(new_BxN, jnp.argmax(logits_BxTxV[:, 5:10], axis=-1))
     given = bam_jax.generate(model, prompt_BxT, max_new_tokens=5, cache=empty_cache(2, 16))
     np.testing.assert_array_equal(given, new_BxN)
-    with pytest.raises(TypeError, match="cache_factory"):
-        bam_jax.generate(model, prompt_BxT, max_new_tokens=5)
+    without_config = own_model("nnx" if kind.startswith("nnx") else kind)
+    with pytest.raises(TypeError, match=r"has no bam_jax ModelConfig.*pass cache_factory="):
+        bam_jax.generate(without_config, prompt_BxT, max_new_tokens=5)
 
 
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
@@ -82,6 +99,16 @@ def test_the_docs_cache_recipe_with_one_buffer_for_every_layer_prefills(kind):
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(got, want)
     assert not np.array_equal(cache.keys[0], cache.keys[1]), "each layer writes its own keys"
+
+    def aliased_factory(batch: int, capacity: int) -> bam_jax.KVCache:
+        zeros = jnp.zeros((batch, capacity, 4, 8))
+        return bam_jax.KVCache(keys=(zeros,) * 2, values=(zeros,) * 2, length=jnp.int32(0))
+
+    scored = ChunkedForward(model, aliased_factory, chunk_size=8)
+    expected_loss = ChunkedForward(model, empty_cache, chunk_size=8)
+    np.testing.assert_array_equal(
+        scored.next_token_loss(tokens_BxT), expected_loss.next_token_loss(tokens_BxT)
+    )
 
 
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
@@ -141,38 +168,63 @@ def test_exporting_the_fused_kernel_with_symbolic_shapes_says_what_to_export(kin
             exported_linen(LinenDecoder(implementation="fused"))
 
 
-def float_ops_dtypes(jaxpr, names=("exp", "exp2", "log", "pow")) -> set[str]:
-    """The dtypes of the transcendental ops (softmax, prior) of a jaxpr, nested ones too."""
+def op_dtypes(jaxpr, names: tuple[str, ...], shape: tuple[int, ...] | None = None) -> set[str]:
+    """The dtypes of a jaxpr's ops called `names` (of that shape, if given), nested ones too."""
     dtypes = set()
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in names:
-            dtypes.update(str(v.aval.dtype) for v in eqn.outvars)
+            outs = [v.aval for v in eqn.outvars if shape is None or v.aval.shape == shape]
+            dtypes.update(str(aval.dtype) for aval in outs)
         for value in eqn.params.values():
             for sub in value if isinstance(value, tuple | list) else (value,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    dtypes |= float_ops_dtypes(inner, names)
+                    dtypes |= op_dtypes(inner, names, shape)
     return dtypes
+
+
+def attention_layer(kind: str, dtype, x_BxTxE: jax.Array) -> jax.Array:
+    """One attention layer of `dtype` applied to x, as `bam_jax.Attention` or through
+    `linen_attention` (abstractly: only the output's type is needed)."""
+    config = CONFIG.replace(dtype=dtype)
+    if kind == "nnx":
+        return jax.eval_shape(lambda x: bam_jax.Attention(config, rngs=nnx.Rngs(0))(x), x_BxTxE)
+    layer = linen_attention(config)
+    return jax.eval_shape(lambda x: layer.init_with_output(jax.random.key(0), x)[0], x_BxTxE)
 
 
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
 def test_a_bfloat16_decoder_stays_bfloat16_with_float32_attention_inside(kind):
-    tokens_BxT = tokens_of(2, 24)
-    # dtype objects, as a Flax user writes them: jnp.bfloat16, np.dtype.
-    half_dtype = jnp.bfloat16 if kind == "nnx" else jnp.dtype("bfloat16")
-    full, half = (own_model(kind, dtype=dtype) for dtype in (jnp.float32, half_dtype))
+    batch, length = 2, 24
+    tokens_BxT = tokens_of(batch, length)
+    full, half = (own_model(kind, dtype=dtype) for dtype in ("float32", "bfloat16"))
     graphdef, state = nnx.split(half)
     jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens_BxT)
     assert jaxpr.out_avals[0].dtype == jnp.bfloat16
-    assert float_ops_dtypes(jaxpr.jaxpr) == {"float32"}, "softmax and prior in float32"
+    residual = (batch, length, WIDTH)
+    assert op_dtypes(jaxpr.jaxpr, ("add",), residual) == {"bfloat16"}, "the residual stream"
+    transcendental = ("exp", "exp2", "log", "pow")
+    assert op_dtypes(jaxpr.jaxpr, transcendental) == {"float32"}, "softmax and prior"
     half_BxTxV, full_BxTxV = forward(half, tokens_BxT), forward(full, tokens_BxT)
     assert half_BxTxV.dtype == jnp.bfloat16 and full_BxTxV.dtype == jnp.float32
     error = np.abs(np.asarray(half_BxTxV, np.float32) - full_BxTxV).max() / full_BxTxV.std()
     assert error < 0.1, f"bfloat16 logits off by {error:.3f} standard deviations"
-    if kind == "nnx":
-        x_BxTxE = jnp.ones((2, 24, 32), jnp.bfloat16)
-        assert half.attention[0](x_BxTxE).dtype == jnp.bfloat16
-        assert full.attention[0](x_BxTxE).dtype == jnp.bfloat16, "follows the input's dtype"
+    for layer_dtype in ("bfloat16", "float32"):  # the output follows the input
+        for x_dtype in (jnp.bfloat16, jnp.float32):
+            x_BxTxE = jnp.ones(residual, x_dtype)
+            assert attention_layer(kind, layer_dtype, x_BxTxE).dtype == x_dtype
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_dtype_objects_are_taken_where_dtype_names_are(kind):
+    x_BxTxE = jnp.ones((1, 8, WIDTH), jnp.bfloat16)
+    for dtype in (jnp.bfloat16, np.dtype("bfloat16"), "bfloat16"):
+        assert CONFIG.replace(dtype=dtype).dtype == "bfloat16"
+        assert attention_layer(kind, dtype, x_BxTxE).dtype == jnp.bfloat16
+    layer = bam_jax.Attention.of_spec(WIDTH, HEADS, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    assert layer.config.dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
+        CONFIG.replace(dtype=jnp.float16)
 
 
 SHARD_MAP_CHECK = """
@@ -181,6 +233,8 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 import bam_jax
+from bam_jax.inference import ChunkedForward
+from bam_jax.linen import linen_attention
 from tests.support.own_decoders import VOCAB, LinenDecoder, NNXDecoder
 
 mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)

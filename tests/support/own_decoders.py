@@ -53,10 +53,11 @@ class NNXDecoder(nnx.Module):
         rngs: nnx.Rngs,
         *,
         n_layers: int = 2,
-        dtype: Any = jnp.float32,
+        dtype: Any = "float32",
         implementation: str = "blockwise",
     ):
         config = CONFIG.replace(dtype=dtype)
+        dtype = jnp.dtype(dtype)
         self.embed = nnx.Embed(VOCAB, WIDTH, dtype=dtype, rngs=rngs)
         self.attention = nnx.List(
             [
@@ -92,13 +93,14 @@ class LinenDecoder(nn.Module):
     `bam_jax.prefill` and `generate`)."""
 
     n_layers: int = 2
-    dtype: Any = jnp.float32
+    dtype: Any = "float32"
     implementation: str = "blockwise"
 
     @nn.compact
     def __call__(self, tokens_BxT: jax.Array, cache: bam_jax.KVCache | None = None):
         config = CONFIG.replace(dtype=self.dtype)
-        x_BxTxE = nn.Embed(VOCAB, WIDTH, dtype=self.dtype)(tokens_BxT)
+        dtype = jnp.dtype(self.dtype)
+        x_BxTxE = nn.Embed(VOCAB, WIDTH, dtype=dtype)(tokens_BxT)
         keys, values = [], []
         for i in range(self.n_layers):
             spec = layer_spec(i, self.implementation)
@@ -109,8 +111,8 @@ class LinenDecoder(nn.Module):
                 kv = (cache.keys[i], cache.values[i])
                 y_BxTxE, (k, v) = attention(x_BxTxE, kv=kv, cache_length=cache.length)
                 x_BxTxE, keys, values = x_BxTxE + y_BxTxE, [*keys, k], [*values, v]
-            x_BxTxE = x_BxTxE + jax.nn.gelu(nn.Dense(WIDTH, dtype=self.dtype)(x_BxTxE))
-        logits_BxTxV = nn.Dense(VOCAB, dtype=self.dtype)(x_BxTxE)
+            x_BxTxE = x_BxTxE + jax.nn.gelu(nn.Dense(WIDTH, dtype=dtype)(x_BxTxE))
+        logits_BxTxV = nn.Dense(VOCAB, dtype=dtype)(x_BxTxE)
         if cache is None:
             return logits_BxTxV
         length = cache.length + tokens_BxT.shape[1]
