@@ -2,7 +2,8 @@
 and the segment ids split over a 2 x 2 mesh by batch and heads, the prior and the SSMax
 scales by heads. Values and gradients match the reference on the whole arrays, for every
 argument at once and for subsets (only the prior and the SSMax scales with q, k and v
-closed over; only v). 72 queries: the native CPU kernel runs on 64 queries or more. Run
+closed over; only v), for blockwise attention, the native CPU kernel and the TPU Pallas
+kernel in interpret mode. 72 queries: the native CPU kernel runs on 64 queries or more. Run
 in a subprocess on 4 fake CPU devices (the device count is fixed when jax starts)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 import bam_jax
+from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior
 
 mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -44,12 +46,16 @@ HEADS = P("data", None, "model", None)
 
 def attention(implementation, case, q, k, v, prior, ssmax, segments):
     ids = segments if case["documents"] else None
-    return bam_jax.dot_product_attention(
-        q, k, v, prior=prior, ssmax_scale_H=ssmax,
-        query_segment_ids_BxT=ids, key_segment_ids_BxS=ids,
-        ssmax_prior_inside=case["inside"], window=case.get("window"),
-        implementation=implementation, block_q=16, block_k=16,
+    spec = bam_jax.AttentionSpec(
+        ssmax_prior_inside=case["inside"], window=case.get("window"), block_q=16, block_k=16,
     )
+    arrays = dict(
+        prior=prior, ssmax_scale_H=ssmax, query_segment_ids_BxT=ids, key_segment_ids_BxS=ids
+    )
+    if implementation == "pallas_tpu_interpret":
+        return pallas_attention(q, k, v, spec, backend="tpu", interpret=True, **arrays)
+    spec = spec.replace(implementation=implementation)
+    return bam_jax.dot_product_attention(q, k, v, spec, **arrays)
 
 
 def sharded(implementation, case, prior):
@@ -108,7 +114,10 @@ for name, case in CASES.items():
 print("RESULT" + json.dumps(results))
 """
 
-IMPLEMENTATIONS = ("blockwise", "fused") if HAS_COMPILER else ("blockwise",)
+# "fused" on a CPU is the native kernel; the TPU Pallas kernel runs in interpret mode (the
+# GPU one's interpreter cannot run inside shard_map with check_vma=True: jax's interpreter
+# indexes the sharded inputs by unsharded grid indices).
+IMPLEMENTATIONS = ("blockwise", "pallas_tpu_interpret") + (("fused",) if HAS_COMPILER else ())
 
 
 @pytest.fixture(scope="module")
