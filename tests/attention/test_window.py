@@ -3,7 +3,8 @@ itself (w + 1 keys, jax's `local_window_size=(w, 0)`), and also the w keys after
 causality; a window of 0 is the query alone. Pinned on every implementation that runs on a
 CPU (the reference, blockwise attention, the native CPU kernel, both Pallas kernels in
 interpret mode), on a decoding chunk over a long cache (where blockwise attention and the
-CPU kernel first cut the keys to the window's reach), and in `ModelConfig`."""
+CPU kernel first cut the keys to the window's reach), in `ModelConfig`, and against
+`jax.nn.dot_product_attention`'s `local_window_size`."""
 
 from __future__ import annotations
 
@@ -104,3 +105,19 @@ def test_the_quickstart_local_layer_sees_the_query_and_the_16_tokens_before_it()
     mask = config.attention_spec(0).mask(128)
     seen_S = np.asarray(mask.visible(jnp.int32(100), jnp.arange(128)))
     assert np.flatnonzero(seen_S).tolist() == list(range(84, 101))
+
+
+@pytest.mark.parametrize(("window", "causal"), [(0, True), (5, True), (3, False)])
+def test_a_window_is_jax_local_window_size(window, causal):
+    rng = np.random.default_rng(window)
+    q_BxTxHxD, k_BxTxHxD, v_BxTxHxD = (
+        jnp.asarray(rng.normal(size=(2, 30, 2, HEAD_DIM)), jnp.float32) for _ in range(3)
+    )
+    ours = bam_jax.reference_attention(
+        q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, AttentionSpec(causal=causal, window=window)
+    )
+    jax_window = (window, 0) if causal else (window, window)
+    theirs = jax.nn.dot_product_attention(
+        q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, is_causal=causal, local_window_size=jax_window
+    )
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
