@@ -8,9 +8,9 @@ the same function:
   tile from positions, so no T x S array is ever built.
 - "fused" ("pallas" until the next release): the fused kernel with the prior computed in
   the tile loop, Pallas on GPU (Triton) and TPU (Mosaic), native code on CPU; see
-  bam_jax/pallas_attention.py. `bam_jax.implementation.resolve_implementation` decides
+  bam_jax/fused_attention.py. `bam_jax.implementation.resolve_implementation` decides
   what "auto" runs: the fused kernel only on device kinds where
-  bench/accelerator_check.py has passed (docs/accelerators.md).
+  bench/accelerator_check/ has passed (docs/accelerators.md).
 
 Positions: key slot s sits at position s; query t sits at `query_offset + t`. With a KV
 cache of capacity S, unfilled slots lie in the future of every query and are masked by
@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from bam_jax.attention_inputs import checked_attention
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.blockwise import blockwise_attention
+from bam_jax.fused_attention import fused_attention, has_symbolic_shape
 from bam_jax.implementation import resolve_implementation
 from bam_jax.masking import log_visible_count, visibility_mask
-from bam_jax.pallas_attention import has_symbolic_shape, pallas_attention
 from bam_jax.priors import Prior
 
 
@@ -92,7 +92,7 @@ def dot_product_attention(
     implementation = {
         "reference": reference_attention,
         "blockwise": blockwise_attention,
-        "fused": pallas_attention,
+        "fused": fused_attention,
     }[resolve_implementation(choice)]
     return implementation(
         query_BxTxHxD,

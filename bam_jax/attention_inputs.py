@@ -2,7 +2,7 @@
 
 Only shapes, dtypes and Python values are read, so under jit the checks cost nothing at
 run time. Each public implementation (`reference_attention`, `blockwise_attention`,
-`pallas_attention`) is wrapped in `checked_attention`, which runs them once;
+`fused_attention`) is wrapped in `checked_attention`, which runs them once;
 `dot_product_attention` leaves them to the one it dispatches to. The static choices
 (`AttentionSpec`) check themselves when built.
 """

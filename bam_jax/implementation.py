@@ -3,8 +3,9 @@ checks a choice and decides what "auto" means on a device.
 
 - "reference": the T x S oracle (`bam_jax.attention.reference_attention`).
 - "blockwise": online softmax over key blocks (`bam_jax.blockwise`).
-- "fused": the fused kernel (`bam_jax.pallas_attention`): Pallas on GPU and TPU, native
-  code on CPU. "pallas", its earlier name, is accepted for one release.
+- "fused": the fused kernel (`bam_jax.fused_attention`): Pallas on GPU and TPU, native
+  code on CPU. "pallas", its earlier name, is accepted for one release. Whether "auto"
+  picks it is each platform's entry in `bam_jax.kernels.registry.FUSED_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -13,16 +14,13 @@ from typing import Literal, Protocol
 
 import jax
 
-from bam_jax.kernels.cpu import cpu_kernel_preferred
+from bam_jax.kernels.registry import FUSED_BACKENDS
 
 Implementation = Literal["reference", "blockwise", "fused"]
 Purpose = Literal["training", "inference"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = ("reference", "blockwise", "fused")
 IMPLEMENTATION_ALIASES: dict[str, Implementation] = {"pallas": "fused"}
 IMPLEMENTATION_CHOICES = ("auto", *IMPLEMENTATIONS, *IMPLEMENTATION_ALIASES)
-# Device kinds (`jax.Device.device_kind`) on which the compiled fused kernels passed
-# bench/accelerator_check.py; the evidence (device, date, table) is in docs/accelerators.md.
-FUSED_VALIDATED_DEVICES: tuple[str, ...] = ()
 
 
 class DeviceLike(Protocol):
@@ -51,16 +49,15 @@ def resolve_implementation(
     """The implementation that runs for `choice` (None means "auto") on `device` (default:
     the first device of the default backend).
 
-    "auto" is the fused kernel on a GPU or TPU whose kind is in FUSED_VALIDATED_DEVICES
-    and, for inference on CPU, where `cpu_kernel_preferred()` says the native kernel is
-    faster than blockwise attention; blockwise attention everywhere else. Training on CPU
-    keeps blockwise attention: the native kernel's backward is the blockwise one."""
+    "auto" is the fused kernel where the platform's backend says so
+    (`FusedBackend.chosen_by_auto`): on a device kind in its `validated_devices` (none
+    yet) and, for inference on CPU, where `cpu_kernel_preferred()` says the native kernel
+    is faster than blockwise attention; blockwise attention everywhere else."""
     resolved = canonical_implementation("auto" if choice is None else choice, field=field)
     if resolved != "auto":
         return resolved  # type: ignore[return-value]
     device = jax.devices()[0] if device is None else device
-    if device.platform in ("gpu", "tpu") and device.device_kind in FUSED_VALIDATED_DEVICES:
-        return "fused"
-    if purpose == "inference" and device.platform == "cpu" and cpu_kernel_preferred():
+    backend = FUSED_BACKENDS.get(device.platform)
+    if backend is not None and backend.chosen_by_auto(device.device_kind, purpose):
         return "fused"
     return "blockwise"

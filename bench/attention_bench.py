@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.priors import init_ggd_prior
-from bench.matmul_rate import matmul_gflops
+from bam_jax.provenance import matmul_gflops
 
 HEADS, HEAD_DIM = 8, 64
 CONFIGS = ("none", "ggd", "ggd+ssmax")

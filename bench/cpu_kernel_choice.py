@@ -7,7 +7,7 @@ one without AVX-512) and blockwise, timed in one run on one machine; prints a ta
 Batch 1, 8 heads, head dim 64, float32, the GGD prior and SSMax, a causal chunk at the end
 of 8192 cached keys: a 512-query prefill chunk and a single-query decode step. Each build
 of bam_jax/kernels/cpu_attention.cc (the usual flags plus the given ones) is registered as
-its own custom call; the kernel runs at one query too (pallas_attention hands fewer than
+its own custom call; the kernel runs at one query too (fused_attention hands fewer than
 CPU_MIN_QUERIES to blockwise attention, whose tiles for them are timed as "blockwise").
 Blockwise attention runs in the tiles evaluation gives it (512 x 1024) for the chunk. All
 variants compile once, then run in turn --rounds times so a slow spell of a shared machine
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import os
 import shlex
 import statistics
@@ -35,8 +36,9 @@ import numpy as np
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.kernels import cpu
+from bam_jax.kernels.registry import FUSED_BACKENDS
 from bam_jax.priors import GGDPrior
-from bench.matmul_rate import matmul_gflops
+from bam_jax.provenance import matmul_gflops
 
 HEADS, HEAD_DIM, KEYS = 8, 64, 8192
 SHAPES = {"prefill 512 x 8192": 512, "decode 1 x 8192": 1}
@@ -60,12 +62,13 @@ def build_target(extra_flags: str, number: int) -> str:
 @contextlib.contextmanager
 def kernel_traced_as(target: str) -> Iterator[None]:
     """While tracing: the kernel's custom call is `target`, whatever the query count."""
-    saved = cpu.TARGET_NAME, cpu.CPU_MIN_QUERIES
-    cpu.TARGET_NAME, cpu.CPU_MIN_QUERIES = target, 0
+    saved = cpu.TARGET_NAME, FUSED_BACKENDS["cpu"]
+    cpu.TARGET_NAME = target
+    FUSED_BACKENDS["cpu"] = dataclasses.replace(saved[1], min_queries=0)
     try:
         yield
     finally:
-        cpu.TARGET_NAME, cpu.CPU_MIN_QUERIES = saved
+        cpu.TARGET_NAME, FUSED_BACKENDS["cpu"] = saved
 
 
 def attention_call(queries: int, target: str | None) -> Callable[[], None]:

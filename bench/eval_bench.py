@@ -31,7 +31,9 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
     "tiny": {"preset": "toy"},
     "l6": {"preset": "l6"},
@@ -57,7 +59,6 @@ def measure(
     """Runs in the child process: compile once, then time `repeats` samples (or only report
     the planned memory with `compile_only`)."""
     import numpy as np
-    from accelerator_check import causal_forward_flops
     from flax import nnx
 
     from bam_eval.memory import cache_bytes_per_slot
@@ -66,8 +67,9 @@ def measure(
     from bam_jax.config import ModelConfig
     from bam_jax.inference import ChunkedForward
     from bam_jax.model import Transformer
+    from bam_jax.provenance import matmul_gflops
     from bam_jax.tokenizers import get_tokenizer
-    from bench.matmul_rate import matmul_gflops
+    from bench.accelerator_check.throughput import causal_forward_flops
 
     spec = dict(MODELS[model_name])
     config = ModelConfig.of_size(spec.pop("preset"), encoding="bam_ssmax", **spec)
@@ -214,7 +216,8 @@ def _run_child(
 ) -> dict:
     command = [
         sys.executable,
-        os.path.abspath(__file__),
+        "-m",
+        "bench.eval_bench",
         "--child",
         f"{model_name}:{length}",
         "--chunk",
@@ -226,7 +229,7 @@ def _run_child(
     for flag, value in (*options, ("--block-k", args.block_k)):
         if value is not None:
             command += [flag, str(value)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])

@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bam_jax.fused_attention import fused_attention
 from bam_jax.kernels.lowering import kernel_modules, tile_op_counts
-from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
 
 HEADS, HEAD_DIM, LENGTH = 4, 128, 2048
@@ -46,7 +46,7 @@ def counts(platform: str, options: dict, prior_kind: str | None, tile: tuple[int
     backend = "gpu" if platform == "cuda" else "tpu"
 
     def forward(q, k, v):
-        return pallas_attention(q, k, v, prior=prior, backend=backend, debug=True, **options)
+        return fused_attention(q, k, v, prior=prior, backend=backend, debug=True, **options)
 
     shape = jax.ShapeDtypeStruct((1, LENGTH, HEADS, HEAD_DIM), jnp.bfloat16)
     [module] = kernel_modules(forward, (shape, shape, shape), platform)

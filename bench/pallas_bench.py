@@ -1,8 +1,8 @@
-"""The Pallas kernel's gate and attention throughput: sections a and b of accelerator_check.py.
+"""The Pallas kernel's gate and attention throughput: sections a and b of the accelerator check.
 
-One implementation of the gate and the timing (bench/accelerator_check.py); this front end
+One implementation of the gate and the timing (bench/accelerator_check/); this front end
 only sets the kernel-centred defaults: 4k-128k tokens and the no-reuse GGD variant beside
-the default rows. Any flag of accelerator_check.py may follow and overrides them.
+the default rows. Any flag of the accelerator check may follow and overrides them.
 
     python -m bench.pallas_bench --out pallas_bench.md   # GPU/TPU
     python -m bench.pallas_bench --interpret             # CPU sanity run
@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import sys
 
-from bench import accelerator_check
+from bench.accelerator_check.cli import main as check_main
+from bench.accelerator_check.throughput import DEFAULT_VARIANTS
 
 LENGTHS = (16384, 32768, 65536, 131072, 4096, 8192)  # the most important first
-VARIANTS = (*accelerator_check.DEFAULT_VARIANTS, "pallas+ggd-noreuse")
+VARIANTS = (*DEFAULT_VARIANTS, "pallas+ggd-noreuse")
 
 
 def check_arguments(argv: list[str]) -> list[str]:
@@ -31,7 +32,7 @@ def check_arguments(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return accelerator_check.main(check_arguments(list(argv)))
+    return check_main(check_arguments(list(argv)))
 
 
 if __name__ == "__main__":

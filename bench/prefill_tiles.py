@@ -26,7 +26,7 @@ import numpy as np
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.priors import GGDPrior
-from bench.matmul_rate import matmul_gflops
+from bam_jax.provenance import matmul_gflops
 
 CHUNK = 512
 

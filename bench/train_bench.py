@@ -27,15 +27,16 @@ import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 
 from bam_configs.presets import preset
 from bam_configs.training import DataConfig, TrainConfig
 from bam_jax.model import count_params
+from bam_jax.provenance import matmul_gflops
 from bam_train.data import train_iterator
 from bam_train.setup import build
-from bench.matmul_rate import matmul_gflops
 
 
 def bench_configs() -> dict[str, TrainConfig]:
@@ -55,7 +56,14 @@ def bench_configs() -> dict[str, TrainConfig]:
     }
 
 
-def measure(cfg: TrainConfig, steps: int, warmup: int = 2) -> dict[str, float]:
+def measure(
+    cfg: TrainConfig,
+    steps: int,
+    warmup: int = 2,
+    seconds_left: Callable[[], float] | None = None,
+) -> dict[str, float]:
+    """Compile time, median step time and throughput of `cfg`'s train step over `steps`
+    timed steps (fewer when `seconds_left()` falls under ten of the slowest step)."""
     setup = build(cfg)
     start = time.perf_counter()
     compiled = setup.train_step.lower(
@@ -67,8 +75,10 @@ def measure(cfg: TrainConfig, steps: int, warmup: int = 2) -> dict[str, float]:
     for _ in range(warmup):
         state, metrics = compiled(state, batch, setup.step_values)
     jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
+    times: list[float] = []
+    while len(times) < steps:
+        if times and seconds_left is not None and seconds_left() < 10 * max(times):
+            break
         start = time.perf_counter()
         state, metrics = compiled(state, batch, setup.step_values)
         jax.block_until_ready(metrics)

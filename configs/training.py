@@ -129,7 +129,9 @@ class DataConfig:
     val_rows: held-out rows at the start of the data (text, shards); val_gap_tokens: tokens
     skipped after them, so training starts that many tokens after the held-out rows (text,
     shards); boundary_targets: also train the target that crosses into the next document
-    (EOS -> BOS) instead of masking it (text, shards).
+    (EOS -> BOS) instead of masking it (text, shards); copy_seeding: the share of the text
+    stream's characters in generic copy documents, in which random strings recur
+    (bam_train.copy_seeding; text only, 0 for a pure language model).
     Passkey: prompts are at least passkey_min_length tokens (0 = the template minimum) and at
     most the context; passkey_prefix_digits key digits are given before the five predicted;
     passkey_paper_filler_fraction of the prompts use the paper's filler, the rest random
@@ -154,6 +156,7 @@ class DataConfig:
     val_rows: int = 64
     val_gap_tokens: int = 0
     boundary_targets: bool = False
+    copy_seeding: float = 0.0
     passkey_min_length: int = 0
     passkey_prefix_digits: int = 1
     passkey_paper_filler_fraction: float = 0.25
@@ -180,6 +183,13 @@ class DataConfig:
         for name in fractions:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"data.{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0.0 <= self.copy_seeding < 1.0:
+            raise ValueError(f"data.copy_seeding must be in [0, 1), got {self.copy_seeding}")
+        if self.copy_seeding and self.source != "text":
+            raise ValueError(
+                f"data.copy_seeding mixes copy documents into text; data.source is "
+                f"{self.source!r}, expected 'text' (or copy_seeding 0)"
+            )
         for name in ("val_rows", "val_gap_tokens", "num_threads", "prefetch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}")

@@ -12,15 +12,15 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from bam_eval import plots
+from bam_eval.copy_probe import CopySettings, evaluate_copy
 from bam_eval.memory import activation_bytes, cache_bytes_per_slot, check_sample_memory
 from bam_eval.models import EvalModel, for_inference, load_eval_model, model_tokenizers
-from bam_eval.passkey import PasskeySettings, evaluate_passkey
+from bam_eval.passkey import PasskeySettings, auto_batch_size, evaluate_passkey
 from bam_eval.perplexity import evaluate_perplexity, load_rows
 from bam_eval.prior_inspect import figure_table, head_classes, prior_curves, prior_table
 from bam_eval.results import ResultStore
+from bam_eval.tables import task_label
 from bam_jax.config import ModelConfig
 from bam_jax.inference import ChunkedForward, capacity_bucket
 from bam_jax.model import Transformer
@@ -31,6 +31,7 @@ logger = logging.getLogger("bam.eval")
 # What the tables and figures read from each stored entry.
 PASSKEY_FIELDS = ("target_length", "prompt_length", "accuracy", "depths", "correct")
 PERPLEXITY_FIELDS = ("positions", "loss", "perplexity")
+COPY_FIELDS = ("target_length", "accuracy", "letter_accuracy", "distances")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ def check_out_folder(out: str | None) -> None:
         raise ValueError(f"--out {out!r} is a file, expected a folder for the results")
 
 
-def _store(
+def result_store(
     out: str | None, model: EvalModel, task: str, fields: Sequence[str] = (), fresh: bool = False
 ) -> ResultStore:
     path = None if out is None else os.path.join(out, model.name, f"{task}.json")
@@ -157,7 +158,7 @@ def run_passkey(
             text_encoder,
             model_lengths,
             settings,
-            _store(out, m, "passkey", PASSKEY_FIELDS, fresh),
+            result_store(out, m, "passkey", PASSKEY_FIELDS, fresh),
             patience=patience,
             batch_size=inference.batch_size,
             cache_bytes_per_slot=cache_bytes_per_slot(config),
@@ -189,6 +190,64 @@ def run_passkey(
     return evaluation
 
 
+def run_copy(
+    models: Sequence[EvalModel],
+    *,
+    lengths: Sequence[int] = (),
+    multiples: Sequence[float] = (),
+    samples: int = 20,
+    sampling: str = "equidistant",
+    data: str = CopySettings.data,
+    seed: int = 0,
+    tokenizer: str | None = None,
+    inference: InferenceSettings = InferenceSettings(),
+    out: str | None = None,
+    fresh: bool = False,
+) -> Evaluation:
+    """The copy probe (bam_eval.copy_probe) per length of each model: `results[name]` lists
+    one entry per length. With `out`, results are kept in OUT/NAME/copy.json."""
+    check_out_folder(out)
+    tokenizers = model_tokenizers(list(models), tokenizer)
+    evaluation = Evaluation({})
+    for m in models:
+        settings = CopySettings(
+            data=data,
+            sampling=sampling,
+            n_samples=samples,
+            seed=seed,
+            tokenizer=tokenizers[m.name].name,
+            checkpoint=m.checkpoint,
+            dtype=inference.dtype,
+        )
+        forward, config = inference.prepare(m.model)
+        model_lengths = passkey_lengths(m, lengths, multiples)
+        capacity = capacity_bucket(model_lengths[-1], inference.chunk_size)
+        cache_bytes = cache_bytes_per_slot(config)
+        scratch_bytes = activation_bytes(config, inference.chunk_size, capacity)
+        check_sample_memory(
+            f"model {m.name!r}: copy probe at length {model_lengths[-1]}",
+            capacity,
+            cache_bytes,
+            scratch_bytes,
+            inference.memory_budget_bytes,
+            "evaluate shorter lengths (--lengths / --multiples) or raise --memory-gb",
+        )
+        batch_size = inference.batch_size or auto_batch_size(
+            samples, cache_bytes, capacity, inference.memory_budget_bytes, scratch_bytes
+        )
+        evaluation.results[m.name] = evaluate_copy(
+            forward,
+            tokenizers[m.name],
+            model_lengths,
+            settings,
+            result_store(out, m, "copy", COPY_FIELDS, fresh),
+            batch_size=batch_size,
+            train_length=m.train_length,
+            label=m.name,
+        )
+    return evaluation
+
+
 def _warn_of_non_finite_samples(name: str, entry: dict[str, Any]) -> None:
     bad = sum(entry.get("non_finite", ()))
     if bad:
@@ -216,75 +275,6 @@ def _warn_of_non_finite_windows(name: str, entry: dict[str, Any]) -> None:
             max(per_window),
             entry["n_sequences"],
         )
-
-
-def task_label(task: str, needles: int) -> str:
-    """The task's name in figure files: passkey, or e.g. multikey4."""
-    return task if task == "passkey" else f"{task}{needles}"
-
-
-def passkey_table(curves: dict[str, list[dict[str, Any]]], train_lengths: dict[str, int]) -> str:
-    """Rows: models; columns: target lengths (with the multiple of the training length
-    when all models share one)."""
-    lengths = sorted({e["target_length"] for entries in curves.values() for e in entries})
-    shared = set(train_lengths.values())
-    header = ["model", "train"] + [
-        f"{n}" + (f" ({n / next(iter(shared)):g}x)" if len(shared) == 1 else "") for n in lengths
-    ]
-    rows = []
-    for name, entries in curves.items():
-        by_length = {e["target_length"]: e for e in entries}
-        rows.append(
-            [name, str(train_lengths[name])]
-            + [f"{100 * by_length[n]['accuracy']:.0f}" if n in by_length else "-" for n in lengths]
-        )
-    return format_table(header, rows)
-
-
-def seed_summary(
-    curves: dict[str, list[dict[str, Any]]], groups: dict[str, list[str]], train_length: int
-) -> str:
-    """Rows: groups (e.g. an encoding's runs over seeds); columns: target lengths, each cell
-    the mean accuracy (%) and its range over the group's runs, "mean [min-max]"."""
-    stats = accuracy_spread(curves, groups)
-    lengths = sorted({n for per_length in stats.values() for n in per_length})
-    header = ["model", "runs"] + [f"{n} ({n / train_length:g}x)" for n in lengths]
-    rows = []
-    for group, per_length in stats.items():
-        cells = [
-            "{:.0f} [{:.0f}-{:.0f}]".format(*per_length[n]) if n in per_length else "-"
-            for n in lengths
-        ]
-        rows.append([group, str(len(groups[group])), *cells])
-    return format_table(header, rows)
-
-
-def accuracy_spread(
-    curves: dict[str, list[dict[str, Any]]], groups: dict[str, list[str]]
-) -> dict[str, dict[int, tuple[float, float, float]]]:
-    """Per group and target length: (mean, min, max) accuracy in % over the group's runs
-    that reached that length. A run whose sweep stopped at 0% (`--patience`) counts as 0%
-    at the longer lengths that other runs of its group reached."""
-    spread = {}
-    for group, names in groups.items():
-        lengths = sorted({entry["target_length"] for name in names for entry in curves[name]})
-        by_length: dict[int, list[float]] = {}
-        for name in names:
-            accuracy = {entry["target_length"]: 100 * entry["accuracy"] for entry in curves[name]}
-            last = max(accuracy, default=None)
-            stopped_at_zero = last is not None and accuracy[last] == 0.0
-            for n in lengths:
-                if n in accuracy or (stopped_at_zero and n > last):
-                    by_length.setdefault(n, []).append(accuracy.get(n, 0.0))
-        spread[group] = {n: (sum(v) / len(v), min(v), max(v)) for n, v in by_length.items()}
-    return spread
-
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def run_perplexity(
@@ -338,7 +328,7 @@ def run_perplexity(
             "checkpoint": m.checkpoint,
             "dtype": inference.dtype,
         }
-        store = _store(out, m, "perplexity", PERPLEXITY_FIELDS, fresh)
+        store = result_store(out, m, "perplexity", PERPLEXITY_FIELDS, fresh)
         entry = store.get(settings, data)
         if entry is None:
             entry = evaluate_perplexity(
@@ -374,56 +364,6 @@ def check_perplexity_window(seq_len: int, window: int) -> None:
         raise ValueError(f"--window {window} must divide --seq-len {seq_len}")
 
 
-def perplexity_table(curves: dict[str, dict[str, Any]]) -> str:
-    """Rows: window ends; columns: models."""
-    positions = next(iter(curves.values()))["positions"]
-    rows = [
-        [str(p)] + [f"{c['perplexity'][i]:.2f}" for c in curves.values()]
-        for i, p in enumerate(positions)
-    ]
-    return format_table(["position", *curves], rows)
-
-
-def perplexity_spread(
-    curves: dict[str, dict[str, Any]], groups: dict[str, list[str]]
-) -> dict[str, dict[int, tuple[float, float, float]]]:
-    """Per group and window end position: (mean, min, max) of the window's mean next-token
-    loss over the group's runs (perplexity is exp of each)."""
-    spread = {}
-    for group, names in groups.items():
-        losses = np.asarray([curves[name]["loss"] for name in names], np.float64)
-        positions = curves[names[0]]["positions"]
-        spread[group] = {
-            int(p): (
-                float(losses[:, i].mean()),
-                float(losses[:, i].min()),
-                float(losses[:, i].max()),
-            )
-            for i, p in enumerate(positions)
-        }
-    return spread
-
-
-def perplexity_seed_table(
-    spread: dict[str, dict[int, tuple[float, float, float]]],
-    train_length: int,
-    positions: Sequence[int],
-    *,
-    perplexity: bool = False,
-) -> str:
-    """Rows: window end positions (with their multiple of the training length); columns:
-    groups, each cell the mean loss (or exp of it, the perplexity) and its range over the
-    group's runs, "mean [min-max]"."""
-    rows = []
-    for p in positions:
-        cells = []
-        for per_window in spread.values():
-            values = np.exp(per_window[p]) if perplexity else per_window[p]
-            cells.append("{:.3f} [{:.3f}-{:.3f}]".format(*values))
-        rows.append([f"{p} ({p / train_length:g}x)", *cells])
-    return format_table(["window end", *spread], rows)
-
-
 def run_prior(
     models: Sequence[EvalModel],
     *,
@@ -442,7 +382,7 @@ def run_prior(
     for m in models:
         table = prior_table(m.model, m.config)
         curves = prior_curves(m.config, table, max_distance or 500 * m.train_length)
-        store = _store(out, m, "prior", fresh=fresh)
+        store = result_store(out, m, "prior", fresh=fresh)
         store.put({"checkpoint": m.checkpoint}, "heads", {"table": table})
         shown = figure_table(m.config, table)
         evaluation.results[m.name] = {

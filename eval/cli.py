@@ -1,8 +1,11 @@
-"""`bam-eval` (also `python -m bam_eval`): passkey retrieval, perplexity by position, priors.
+"""`bam-eval` (also `python -m bam_eval`): passkey retrieval, copying, perplexity by position,
+priors.
 
   bam-eval passkey RUN [RUN ...] --multiples 1,2,4,8,16,32,64,128,256,500
   bam-eval passkey RUN --lengths 0,1k,2k,4k,8k,16k,32k --samples 20 --sampling random
   bam-eval retrieval RUN --task multikey --needles 4 --multiples 1,8,64,500
+  bam-eval copy RUN --multiples 1,2,4,16,64,500 --samples 20
+  bam-eval curve WORKDIR --multiples 1,4      (every kept checkpoint, against tokens seen)
 
 Token counts take k = 1024 and m = 1024**2 (4k = 4096).
   bam-eval perplexity RUN [RUN ...] --data held_out.jsonl --seq-len 32768 --window 1024
@@ -21,12 +24,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from bam_eval import api, plots
+from bam_eval import api, plots, tables
+from bam_eval.learning_curve import curve_table, run_learning_curve
 from bam_eval.models import EvalModel
 from bam_eval.perplexity import PACKINGS
 from bam_jax.compilation_cache import add_compilation_cache_argument, use_compilation_cache
 from bam_jax.implementation import IMPLEMENTATION_CHOICES
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
+from bam_jax.io.documents import STDLIB_HELD_OUT
 from bam_jax.logs import log_to_stdout
 from bam_jax.passkey import SAMPLINGS
 from bam_jax.retrieval import DEFAULT_NEEDLES, TASKS, RetrievalTask
@@ -197,6 +202,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="keys, values or assignments per prompt (not passkey)",
     )
 
+    cp = sub.add_parser(
+        "copy",
+        help="long-range copy probe: a random name defined once in held-out text, asked again",
+        **defaults_shown,
+    )
+    _common(cp)
+    _inference_options(cp)
+    cp.add_argument("--lengths", type=_csv(parse_count), default=None, help="e.g. 256,4k")
+    cp.add_argument(
+        "--multiples",
+        type=_csv(_positive_float),
+        default=None,
+        help="multiples of each model's training length, e.g. 1,2,4,500",
+    )
+    cp.add_argument("--samples", type=positive, default=20, help="samples per length")
+    cp.add_argument(
+        "--sampling", type=_sampling, default="equidistant", help="definition depth rule"
+    )
+    cp.add_argument(
+        "--data",
+        default=STDLIB_HELD_OUT,
+        help="the text around the name: .txt/.jsonl file/dir/glob, hf:NAME, or "
+        "python-stdlib:held-out",
+    )
+    cp.add_argument("--seed", type=non_negative, default=0)
+
+    curve = sub.add_parser(
+        "curve",
+        help="learning curve: copy probe and passkey accuracy of each checkpoint of a run",
+        **defaults_shown,
+    )
+    curve.add_argument("models", nargs=1, metavar="RUN", help="[NAME=]WORKDIR")
+    add_compilation_cache_argument(curve)
+    curve.add_argument("--out", default="eval_results", help="results and figures folder")
+    curve.add_argument("--no-plots", action="store_true")
+    _inference_options(curve)
+    curve.add_argument(
+        "--multiples",
+        type=_csv(_positive_float),
+        default=[1.0],
+        help="multiples of the training length, e.g. 1,4",
+    )
+    curve.add_argument("--samples", type=positive, default=20, help="samples per length")
+
     ppl = sub.add_parser("perplexity", help="perplexity per window of positions", **defaults_shown)
     _common(ppl)
     _inference_options(ppl)
@@ -230,11 +279,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_arguments(args)
         use_compilation_cache(args.compilation_cache)
+        if args.command == "curve":
+            return curve(args)
         models = api.load_models(args.models, step=args.step)
         if "dtype" in args:
             print(f"compute dtype: {args.dtype} (parameters float32)")
-        commands = {"passkey": passkey, "retrieval": passkey, "perplexity": perplexity}
-        return {**commands, "prior": prior}[args.command](args, models)
+        commands = {"passkey": passkey, "retrieval": passkey, "copy": copy}
+        return {**commands, "perplexity": perplexity, "prior": prior}[args.command](args, models)
     except ValueError as e:
         print(f"bam-eval: error: {e}", file=sys.stderr)
         return 2
@@ -243,9 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def check_arguments(args: argparse.Namespace) -> None:
     """What can be checked before any model loads."""
     api.check_out_folder(args.out)
+    if args.command in ("passkey", "retrieval", "copy") and not (args.lengths or args.multiples):
+        raise ValueError("give --lengths and/or --multiples")
     if args.command in ("passkey", "retrieval"):
-        if not (args.lengths or args.multiples):
-            raise ValueError("give --lengths and/or --multiples")
         RetrievalTask(args.task, args.needles)
     if args.command == "perplexity":
         api.check_perplexity_window(args.seq_len, args.window)
@@ -292,10 +343,49 @@ def passkey(args: argparse.Namespace, models: list[EvalModel]) -> int:
         )
         name = "Passkey" if args.task == "passkey" else f"{args.task} ({args.needles} needles)"
         print(f"\n{name} accuracy (%), sampling {sampling}, {args.samples} samples per length")
-        print(api.passkey_table(evaluation.results, train_lengths))
+        print(tables.passkey_table(evaluation.results, train_lengths))
         _print_figures(evaluation.figures[-1:])
     for m in models:
         print(f"results: {os.path.join(args.out, m.name, 'passkey.json')}")
+    return 0
+
+
+def copy(args: argparse.Namespace, models: list[EvalModel]) -> int:
+    evaluation = api.run_copy(
+        models,
+        lengths=args.lengths or (),
+        multiples=args.multiples or (),
+        samples=args.samples,
+        sampling=args.sampling,
+        data=args.data,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+        inference=_inference(args),
+        out=args.out,
+        fresh=args.fresh,
+    )
+    train_lengths = {m.name: m.train_length for m in models}
+    print(f"\nCopy probe: names copied exactly / letters right (%), {args.samples} samples")
+    print(tables.copy_table(evaluation.results, train_lengths))
+    for m in models:
+        print(f"results: {os.path.join(args.out, m.name, 'copy.json')}")
+    return 0
+
+
+def curve(args: argparse.Namespace) -> int:
+    evaluation = run_learning_curve(
+        args.models[0],
+        multiples=args.multiples,
+        samples=args.samples,
+        inference=_inference(args),
+        out=args.out,
+        figures=not args.no_plots,
+    )
+    ((name, points),) = evaluation.results.items()
+    print(f"\nLearning curve of {name}: names copied / letters right, passkeys (%)")
+    print(curve_table(points))
+    _print_figures(evaluation.figures)
+    print(f"results: {os.path.join(args.out, name, 'curve.json')}")
     return 0
 
 
@@ -317,7 +407,7 @@ def perplexity(args: argparse.Namespace, models: list[EvalModel]) -> int:
     )
     n_sequences = next(iter(evaluation.results.values()))["n_sequences"]
     print(f"\nPerplexity per window of {args.window} positions ({n_sequences} sequences)")
-    print(api.perplexity_table(evaluation.results))
+    print(tables.perplexity_table(evaluation.results))
     _print_figures(evaluation.figures)
     return 0
 
@@ -335,7 +425,7 @@ def prior(args: argparse.Namespace, models: list[EvalModel]) -> int:
         shown = result["shown"]
         print(f"\n{m.name} ({m.config.encoding}): positional parameters")
         print(
-            api.format_table(
+            tables.format_table(
                 list(shown[0]), [[plots.format_cell(r.get(c)) for c in shown[0]] for r in shown]
             )
         )

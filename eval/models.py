@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 from typing import Any
@@ -48,6 +49,7 @@ class EvalModel:
     config: ModelConfig
     model: Transformer
     tokenizer: str | None  # the tokenizer the checkpoint records, if any
+    training: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run's config
     fingerprint: str = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -71,7 +73,9 @@ class EvalModel:
             "step": self.step,
             "encoding": self.config.encoding,
             "train_length": self.train_length,
+            "fingerprint": self.fingerprint,
             "config": self.config.to_dict(),
+            "training": self.training,
         }
 
 
@@ -131,7 +135,9 @@ def _load_reference(arg: str, name: str, path: str, step: int | None) -> EvalMod
         config, model = load_reference_checkpoint(path)
     except (ValueError, ImportError) as error:
         raise ValueError(f"model {arg!r}: {error}") from error
-    return EvalModel(name, path, "reference", None, config, model, None)
+    with open(os.path.join(path, "args.json"), encoding="utf-8") as f:
+        arguments = json.load(f)
+    return EvalModel(name, path, "reference", None, config, model, None, arguments)
 
 
 def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel:
@@ -164,7 +170,9 @@ def _load_workdir(arg: str, name: str, path: str, step: int | None) -> EvalModel
                 )
             chosen, steps = now[-1], now
     tokenizer = saved.run_config.get("data", {}).get("tokenizer")
-    return EvalModel(name, path, "workdir", chosen, saved.config, model, tokenizer)
+    return EvalModel(
+        name, path, "workdir", chosen, saved.config, model, tokenizer, saved.run_config
+    )
 
 
 def _steps_left(workdir: str) -> list[int]:

@@ -388,3 +388,27 @@ def format_cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"
     return "" if value is None else str(value)
+
+
+def learning_curve(points: Sequence[Mapping[str, Any]], path: str, *, title: str) -> str:
+    """Zero-shot accuracy of each checkpoint against the tokens trained on: whole names
+    copied (solid), letters of the names (dotted) and passkeys (dashed), one colour per
+    multiple of the training length."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
+    millions = [p["tokens"] / 1e6 for p in points]
+    for i, multiple in enumerate(points[0]["copy"]):
+        color = f"C{i}"
+        for key, style, what in (
+            ("copy", "-", "copy probe, names"),
+            ("copy_letters", ":", "copy probe, letters"),
+            ("passkey", "--", "passkey"),
+        ):
+            ys = [100.0 * p[key][multiple] for p in points]
+            ax.plot(millions, ys, style, color=color, marker="o", label=f"{what} {multiple}")
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel("tokens trained on (millions)")
+    ax.set_ylabel("zero-shot accuracy (%)")
+    ax.set_title(f"{title}: learning curve")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, path)

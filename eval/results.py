@@ -1,22 +1,27 @@
 """One JSON results file per model and task, extended by later runs instead of recomputed.
 
-Layout: ``{"model": {...}, "runs": {settings_key: {"settings": {...}, "entries": {id: {...}}}}}``.
-A run's settings key names everything that changes the numbers (checkpoint step, sampling,
-sample count, seed, ...); entries are keyed by length (passkey) or by data source
-(perplexity). Files are rewritten atomically after each new entry, so an interrupted
-sweep keeps what it finished. A file that does not have this layout is refused, never
-overwritten: it may be someone's results. A fresh store starts empty and leaves the file as
-it is until its first entry replaces it.
+Layout: ``{"model": {...}, "invocations": [...], "runs": {settings_key: {"settings": {...},
+"entries": {id: {...}}}}}``. A run's settings key names everything that changes the numbers
+(checkpoint step, sampling, sample count, seed, ...); entries are keyed by length (passkey)
+or by data source (perplexity). "model" holds the model's config, its training run's config
+and its parameters' fingerprint. Each command that adds entries appends its provenance
+(`bam_jax.provenance`: code version, machine, command line, start time, wall seconds) to
+"invocations", and each entry names the one that computed it by index. Files are rewritten
+atomically after each new entry, so an interrupted sweep keeps what it finished. A file that
+does not have this layout is refused, never overwritten: it may be someone's results. A
+fresh store starts empty and leaves the file as it is until its first entry replaces it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from bam_jax.io.files import write_text_atomically
+from bam_jax.provenance import provenance
 
 
 def settings_key(settings: dict[str, Any]) -> str:
@@ -42,7 +47,9 @@ class ResultStore:
         fresh: bool = False,
     ):
         self.path = path
-        self.data: dict[str, Any] = {"model": model_info or {}, "runs": {}}
+        self.started = time.perf_counter()
+        self.invocation: int | None = None
+        self.data: dict[str, Any] = {"model": model_info or {}, "invocations": [], "runs": {}}
         if path is not None and not fresh and os.path.lexists(path):
             self.data = _read_results(path, entry_fields)
             if model_info:
@@ -58,6 +65,12 @@ class ResultStore:
         return self.data["runs"].get(settings_key(settings), {}).get("entries", {}).get(entry_id)
 
     def put(self, settings: dict[str, Any], entry_id: str, entry: dict[str, Any]) -> None:
+        invocations = self.data.setdefault("invocations", [])
+        if self.invocation is None:
+            invocations.append(provenance())
+            self.invocation = len(invocations) - 1
+        invocations[self.invocation]["wall_seconds"] = round(time.perf_counter() - self.started, 2)
+        entry["invocation"] = self.invocation
         self.run(settings)[entry_id] = entry
         self.save()
 

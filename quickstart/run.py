@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from bam_configs.presets import preset
 from bam_configs.training import TrainConfig
-from bam_eval import api
+from bam_eval import api, tables
 from bam_eval import plots as plot_lib
 from bam_eval.models import EvalModel
 from bam_jax.compilation_cache import add_compilation_cache_argument, use_compilation_cache
@@ -203,7 +203,7 @@ def train_and_evaluate(
         fresh=fresh,
     )
     print(f"\nPasskey accuracy (%), sampling equidistant, {samples} samples per length")
-    print(api.passkey_table(evaluation.results, {m.name: m.train_length for m in models}))
+    print(tables.passkey_table(evaluation.results, {m.name: m.train_length for m in models}))
     for path in evaluation.figures[-1:]:
         print(f"figure: {path}")
     if len(seeds) > 1:
@@ -252,17 +252,17 @@ def evaluate_perplexity(
         figures=plots,
         fresh=fresh,
     )
-    spread = api.perplexity_spread(evaluation.results, groups)
+    spread = tables.perplexity_spread(evaluation.results, groups)
     n_sequences = next(iter(evaluation.results.values()))["n_sequences"]
     positions = [int(m) * train_length for m in multiples]
-    tables = [
+    sections = [
         f"{kind} per window of {train_length} tokens ending at each position, {n_sequences} "
         f"held-out sequences of {data}; mean [lowest-highest] over each encoding's "
         f"{len(next(iter(groups.values())))} run(s)\n"
-        + api.perplexity_seed_table(spread, train_length, positions, perplexity=ppl)
+        + tables.perplexity_seed_table(spread, train_length, positions, perplexity=ppl)
         for kind, ppl in (("Loss (nats per token)", False), ("Perplexity", True))
     ]
-    text = "\n\n".join(tables)
+    text = "\n\n".join(sections)
     print(f"\n{text}")
     suffix = "_seeds" if any(len(names) > 1 for names in groups.values()) else ""
     with open(os.path.join(out, f"perplexity_windows{suffix}.txt"), "w", encoding="utf-8") as f:
@@ -282,10 +282,10 @@ def print_seed_summary(
 ) -> None:
     seeds = len(next(iter(groups.values())))
     print(f"\nOver {seeds} seeds: mean accuracy (%) [lowest-highest seed]")
-    print(api.seed_summary(results, groups, train_length))
+    print(tables.seed_summary(results, groups, train_length))
     if plots:
         path = plot_lib.accuracy_band(
-            api.accuracy_spread(results, groups),
+            tables.accuracy_spread(results, groups),
             train_length,
             os.path.join(out, "passkey_accuracy_seeds_equidistant.png"),
             title="Passkey retrieval over seeds (equidistant needle depths)",

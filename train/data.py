@@ -38,6 +38,7 @@ from bam_jax.io.documents import Document, source_documents
 from bam_jax.io.shards import open_shards, read_meta
 from bam_jax.retrieval import RetrievalTask, build_task_sample, task_min_length
 from bam_jax.tokenizers import Tokenizer, encode_checked, get_tokenizer, special_id
+from bam_train.copy_seeding import with_copy_documents
 
 Row = dict[str, np.ndarray]
 
@@ -305,7 +306,7 @@ def _stream_rows(cfg: DataConfig, seq_len: int, skip_tokens: int = 0) -> TokenSt
         vocab_size = read_meta(cfg.path)["vocab_size"]
         return TokenStreamRows(open_shards(cfg.path), seq_len, vocab_size, **options)
     tokenizer = get_tokenizer(cfg.tokenizer)
-    docs = source_documents(cfg.path, cfg.text_key)
+    docs = with_copy_documents(source_documents(cfg.path, cfg.text_key), cfg.copy_seeding)
     stream = tokenize_documents(docs, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos)
     return TokenStreamRows([stream], seq_len, **options)
 

@@ -20,7 +20,14 @@ from bam_jax.io.files import run_path, write_text_atomically
 from bam_jax.model import count_params
 from bam_train.checkpoint import Checkpointer, full_disk_stops_the_run
 from bam_train.data import train_iterator
-from bam_train.metrics import MetricsWriter, device_peak_flops, train_flops_per_token
+from bam_train.metrics import (
+    MetricsWriter,
+    append_launch_record,
+    device_peak_flops,
+    end_record,
+    launch_record,
+    train_flops_per_token,
+)
 from bam_train.optim import learning_rates
 from bam_train.resume import prepare_workdir, resume_state
 from bam_train.setup import Setup, build, run_summary, validation_set
@@ -40,6 +47,10 @@ class TrainResult:
     last_loss: float | None
     preempted: bool = False  # stopped by SIGTERM, the current step saved
     interrupted: bool = False  # stopped by Ctrl-C (SIGINT), the current step saved
+
+    @property
+    def stopped_by(self) -> str | None:
+        return "SIGTERM" if self.preempted else "SIGINT" if self.interrupted else None
 
 
 def train(cfg: TrainConfig, workdir: str, *, stop_after: int | None = None) -> TrainResult:
@@ -64,6 +75,7 @@ def _train(
         if jax.process_index() == 0:
             config_json = json.dumps(cfg.to_dict(), indent=2)
             write_text_atomically(run_path(workdir) / "config.json", config_json)
+            append_launch_record(workdir, launch_record(start, cfg.steps))
         writer = MetricsWriter(
             workdir, total_steps=cfg.steps, start_step=start, progress_bar=cfg.progress_bar
         )
@@ -75,8 +87,13 @@ def _train(
                 writer.print(f"resumed from step {start} in {workdir}")
             run = _Run(setup, workdir, data, val, checkpointer, writer)
             end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+            started = time.perf_counter()
             with StopRequests() as stop_requests:
-                return run.loop(state, start, end, stop_requests)
+                result = run.loop(state, start, end, stop_requests)
+            if jax.process_index() == 0:
+                end = end_record(result.step, result.last_loss, result.stopped_by, started)
+                append_launch_record(workdir, end)
+            return result
 
 
 @dataclasses.dataclass

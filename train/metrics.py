@@ -25,8 +25,12 @@ from etils import epath
 
 from bam_jax.config import ModelConfig
 from bam_jax.io.files import is_url, run_path, write_text_atomically
+from bam_jax.provenance import provenance
 
 METRICS_FILE = "metrics.jsonl"
+# One record per launch of a run and one when it ends: what produced its metrics and
+# checkpoints (bam_jax.provenance), the steps it ran and its wall time.
+LAUNCHES_FILE = "launches.jsonl"
 logger = logging.getLogger("bam.train")
 
 # Dense bfloat16 peak FLOP/s per device, by `device_kind` prefix.
@@ -47,6 +51,36 @@ PEAK_FLOPS = {
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every record of `WORKDIR/metrics.jsonl`, in the order written."""
     text = (run_path(workdir) / METRICS_FILE).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def append_launch_record(workdir: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Add one JSON line to `WORKDIR/launches.jsonl` (rewritten whole, atomically)."""
+    path = run_path(workdir) / LAUNCHES_FILE
+    before = path.read_text(encoding="utf-8") if path.exists() else ""
+    write_text_atomically(path, before + json.dumps(record) + "\n")
+
+
+def launch_record(start_step: int, steps: int) -> dict[str, Any]:
+    return {"event": "launch", "start_step": start_step, "steps": steps, **provenance()}
+
+
+def end_record(
+    step: int, last_loss: float | None, stopped_by: str | None, started: float
+) -> dict[str, Any]:
+    """The record of a launch that ends at `step`; `started` is its `time.perf_counter()`."""
+    return {
+        "event": "end",
+        "step": step,
+        "last_loss": last_loss,
+        "stopped_by": stopped_by,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def read_launches(workdir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of `WORKDIR/launches.jsonl`, in the order written."""
+    text = (run_path(workdir) / LAUNCHES_FILE).read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

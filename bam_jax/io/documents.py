@@ -12,6 +12,7 @@ import json
 import os
 import sysconfig
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 from typing import NamedTuple
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -22,8 +23,13 @@ STDLIB_HELD_OUT = f"{STDLIB}:held-out"
 # Folders of the standard library that are not its own code: installed packages, test
 # suites (with their data files) and bytecode caches.
 STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
-# One file in STDLIB_HELD_OUT_EVERY is held out, chosen by a hash of its relative path.
-STDLIB_HELD_OUT_EVERY = 8
+# Whole top-level modules and packages are held out, taken in the order of a hash of their
+# names while they fit in this share of the library's bytes.
+STDLIB_HELD_OUT_SHARE = 1 / 8
+# A held-out file is evaluated only when at most this share of its long lines (stripped, at
+# least STDLIB_OVERLAP_LINE_CHARS characters) also occurs in some training file.
+STDLIB_MAX_LINE_OVERLAP = 0.05
+STDLIB_OVERLAP_LINE_CHARS = 24
 
 
 def text_files(path: str) -> list[str]:
@@ -127,22 +133,82 @@ def is_stdlib_source(source: str) -> bool:
 
 def stdlib_files(source: str) -> list[str]:
     """The .py files of the running interpreter's standard library, sorted by relative path:
-    for "python-stdlib" the training files, for "python-stdlib:held-out" the others (one in
-    STDLIB_HELD_OUT_EVERY, by a hash of the relative path, so the split is the same on
-    every machine with the same Python version). Installed packages, test folders and
-    caches are left out."""
+    for "python-stdlib" the training files, for "python-stdlib:held-out" the evaluation files
+    (`stdlib_split`). Installed packages, test folders and caches are left out."""
     if not is_stdlib_source(source):
         raise ValueError(f"data.path: expected {STDLIB!r} or {STDLIB_HELD_OUT!r}, got {source!r}")
-    root = sysconfig.get_paths()["stdlib"]
+    split = stdlib_split(sysconfig.get_paths()["stdlib"])
+    chosen = split.held_out if source == STDLIB_HELD_OUT else split.training
+    return [os.path.join(split.root, r) for r in chosen]
+
+
+class StdlibSplit(NamedTuple):
+    """The standard library's split, as paths relative to `root`.
+
+    Whole top-level modules and packages are held out, so a package's near-identical
+    siblings (the codec tables of `encodings`) fall on one side: the modules in the order of
+    a hash of their names, skipping any that would take the held-out bytes past
+    STDLIB_HELD_OUT_SHARE of the library. A held-out file is then evaluated only if at most
+    STDLIB_MAX_LINE_OVERLAP of its long lines occur in a training file; `overlap` maps each
+    held-out file to that share, `dropped` lists those above it (neither trained nor
+    evaluated). The split is the same on every machine with the same Python version.
+    """
+
+    root: str
+    training: list[str]
+    held_out: list[str]
+    dropped: list[str]
+    overlap: dict[str, float]
+
+
+@lru_cache(maxsize=2)
+def stdlib_split(root: str) -> StdlibSplit:
     relative = sorted(_stdlib_relative_paths(root))
     if not relative:
         raise ValueError(
-            f"data.path {source!r}: no standard library .py files under {root!r} (the "
+            f"data.path {STDLIB!r}: no standard library .py files under {root!r} (the "
             "interpreter's sysconfig stdlib path); use a Python installation with its "
             "standard library sources, or pass .txt/.jsonl files"
         )
-    held_out = source == STDLIB_HELD_OUT
-    return [os.path.join(root, r) for r in relative if is_stdlib_held_out(r) == held_out]
+    held_modules = _held_out_modules(root, relative)
+    training = [r for r in relative if _top_level(r) not in held_modules]
+    training_lines = set().union(*(_long_lines(os.path.join(root, r)) for r in training))
+    overlap = {
+        r: _line_overlap(os.path.join(root, r), training_lines)
+        for r in relative
+        if _top_level(r) in held_modules
+    }
+    held_out = [r for r, share in overlap.items() if share <= STDLIB_MAX_LINE_OVERLAP]
+    dropped = [r for r, share in overlap.items() if share > STDLIB_MAX_LINE_OVERLAP]
+    return StdlibSplit(root, training, held_out, dropped, overlap)
+
+
+def _top_level(relative_path: str) -> str:
+    return relative_path.replace(os.sep, "/").split("/")[0].removesuffix(".py")
+
+
+def _held_out_modules(root: str, relative: Sequence[str]) -> frozenset[str]:
+    sizes: dict[str, int] = {}
+    for r in relative:
+        sizes[_top_level(r)] = sizes.get(_top_level(r), 0) + os.path.getsize(os.path.join(root, r))
+    budget = STDLIB_HELD_OUT_SHARE * sum(sizes.values())
+    held, held_bytes = set(), 0
+    for module in sorted(sizes, key=lambda name: hashlib.sha256(name.encode()).digest()):
+        if held_bytes + sizes[module] <= budget:
+            held.add(module)
+            held_bytes += sizes[module]
+    return frozenset(held)
+
+
+def _long_lines(path: str) -> set[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        stripped = (line.strip() for line in f)
+        return {line for line in stripped if len(line) >= STDLIB_OVERLAP_LINE_CHARS}
+
+
+def _line_overlap(path: str, training_lines: set[str]) -> float:
+    lines = _long_lines(path)
+    return len(lines & training_lines) / len(lines) if lines else 0.0
 
 
 def held_out_source(source: str) -> str:
@@ -154,12 +220,6 @@ def held_out_source(source: str) -> str:
             f"perplexity on; expected {STDLIB!r}"
         )
     return STDLIB_HELD_OUT
-
-
-def is_stdlib_held_out(relative_path: str) -> bool:
-    """Whether the standard library file at `relative_path` is held out of training."""
-    digest = hashlib.sha256(relative_path.replace(os.sep, "/").encode()).digest()
-    return int.from_bytes(digest[:8], "big") % STDLIB_HELD_OUT_EVERY == 0
 
 
 def _stdlib_relative_paths(root: str) -> Iterator[str]:

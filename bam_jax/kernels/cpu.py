@@ -49,6 +49,7 @@ from bam_jax.io.private import (
     make_private_directory,
     user_cache_dir,
 )
+from bam_jax.kernels.backend import FusedBackend
 from bam_jax.kernels.partitioning import (
     FORWARD_OPERAND_ROLES,
     FORWARD_RESULT_ROLES,
@@ -59,7 +60,7 @@ from bam_jax.kernels.tile_math import KernelConfig
 CPU_BLOCK_Q = 64
 CPU_BLOCK_K = 256
 # Fewer queries than this run blockwise attention instead, in tiles of them x
-# CPU_SHORT_BLOCK_K keys (pallas_attention): the kernel computes whole CPU_BLOCK_Q-query
+# CPU_SHORT_BLOCK_K keys (fused_attention): the kernel computes whole CPU_BLOCK_Q-query
 # blocks, so a decode step would pay for 64 queries (docs/benchmarks.md).
 CPU_MIN_QUERIES = CPU_BLOCK_Q
 CPU_SHORT_BLOCK_K = 1024
@@ -104,7 +105,7 @@ def use_cpu_kernel(enabled: bool | None) -> None:
     """Whether automatic choices may run the CPU kernel: True whenever it builds, False
     never, None (the default) as `$BAM_JAX_CPU_KERNEL` says, else where it is faster than
     blockwise attention. Explicit choices (`implementation="fused"` on CPU,
-    `pallas_attention(backend="cpu")`) run the kernel whatever this says."""
+    `fused_attention(backend="cpu")`) run the kernel whatever this says."""
     global _switch_override
     if enabled not in (True, False, None):
         raise ValueError(f"use_cpu_kernel takes True, False or None, got {enabled!r}")
@@ -426,3 +427,22 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
     wanted = ("model name", "flags", "Features", "CPU part")
     return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
+
+
+def choose_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[int, int]:
+    """The native kernel's tiles are fixed; block_q and block_k are ignored."""
+    return CPU_BLOCK_Q, CPU_BLOCK_K
+
+
+# No per-element transcendental path, so the prior is read from its table; decode steps
+# (fewer than CPU_MIN_QUERIES queries) run blockwise attention, which does not compute whole
+# 64-query blocks. Training keeps blockwise attention: the kernel's backward is blockwise.
+BACKEND = FusedBackend(
+    "cpu",
+    choose_blocks,
+    table_prior_only=True,
+    min_queries=CPU_MIN_QUERIES,
+    short_call_block_k=CPU_SHORT_BLOCK_K,
+    reads_window_only=True,
+    preferred_for_inference=cpu_kernel_preferred,
+)

@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from bam_jax.kernels.backend import FusedBackend
 from bam_jax.kernels.tile_math import (
     NUM_HEAD_PARAMS,
     KernelConfig,
@@ -64,6 +65,11 @@ class _SubBlock(NamedTuple):
     seg_Mx1: jax.Array | None
 
 
+GPU_MAX_BLOCK_Q = 256
+GPU_MAX_BLOCK_K = 128
+GPU_MIN_BLOCK = 16  # tensor-core dots need both tile sides >= 16
+
+
 class GpuDefaults(NamedTuple):
     block_q: int
     block_k: int
@@ -71,7 +77,7 @@ class GpuDefaults(NamedTuple):
     num_stages: int
 
 
-# By padded head dim. Not tuned on hardware yet: `bench/accelerator_check.py --autotune`
+# By padded head dim. Not tuned on hardware yet: `bench/accelerator_check/ --autotune`
 # sweeps the alternatives.
 GPU_DEFAULTS = {
     16: GpuDefaults(128, 64, 4, 2),
@@ -251,3 +257,34 @@ def _out_shapes(q_BxTxHxD: jax.Array) -> list[jax.ShapeDtypeStruct]:
         jax.ShapeDtypeStruct((batch, q_pad, num_heads, d_pad), q_BxTxHxD.dtype),
         jax.ShapeDtypeStruct((batch, num_heads, q_pad, 1), jnp.float32),
     ]
+
+
+def choose_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[int, int]:
+    defaults = gpu_defaults(head_dim)
+    bq = _checked_block("block_q", block_q or defaults.block_q, GPU_MAX_BLOCK_Q)
+    bk = _checked_block("block_k", block_k or defaults.block_k, GPU_MAX_BLOCK_K)
+    return (
+        min(bq, max(GPU_MIN_BLOCK, pl.next_power_of_2(q_len))),
+        min(bk, max(GPU_MIN_BLOCK, pl.next_power_of_2(kv_len))),
+    )
+
+
+def _checked_block(name: str, value: int, largest: int) -> int:
+    is_power_of_two = value > 0 and value & (value - 1) == 0
+    if not is_power_of_two or not GPU_MIN_BLOCK <= value <= largest:
+        raise ValueError(
+            f"{name} must be a power of two from {GPU_MIN_BLOCK} to {largest} on GPU "
+            f"(Triton tiles), got {value}"
+        )
+    return value
+
+
+BACKEND = FusedBackend(
+    "gpu",
+    choose_blocks,
+    pallas=True,
+    fused_backward=True,
+    approx_math=True,
+    prior_reuse=True,
+    pads_head_dim=True,
+)

@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from bam_jax.kernels.backend import FusedBackend
 from bam_jax.kernels.tile_math import (
     KernelConfig,
     SoftmaxState,
@@ -34,12 +35,16 @@ from bam_jax.kernels.tile_math import (
     load_head,
     online_update,
     pad_to,
+    round_up,
     row_coefficients,
     tile_logits_log2,
 )
 from bam_jax.pytrees import varying_results
 
 TPU_KEY_CHUNK = 256
+TPU_LANES = 128
+TPU_DEFAULT_BLOCK_Q = 256
+TPU_DEFAULT_BLOCK_K = 512
 
 
 def key_chunk(block_k: int) -> int:
@@ -211,3 +216,17 @@ def _table_inputs(config: KernelConfig, table_HxX: jax.Array, kv_block):
         return pl.BlockSpec((None, 1, granule), index)
 
     return [spec(part) for part in range((bq + bk) // granule)], table
+
+
+def choose_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[int, int]:
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is not None and (value <= 0 or value % 8):
+            raise ValueError(f"{name} must be a positive multiple of 8 on TPU, got {value}")
+    bq = min(block_q or TPU_DEFAULT_BLOCK_Q, round_up(q_len, 8))
+    # Compiled Mosaic needs key blocks of whole 128-lane tiles; the keys are padded to them.
+    lanes = 8 if interpret else TPU_LANES
+    bk = round_up(min(block_k or TPU_DEFAULT_BLOCK_K, round_up(kv_len, 8)), lanes)
+    return bq, bk
+
+
+BACKEND = FusedBackend("tpu", choose_blocks, pallas=True, interpret_has_callbacks=True)

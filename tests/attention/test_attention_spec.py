@@ -12,8 +12,8 @@ from flax import nnx
 from bam_jax import AttentionSpec, ModelConfig, dot_product_attention, init_ggd_prior
 from bam_jax.attention import reference_attention
 from bam_jax.blockwise import blockwise_attention
+from bam_jax.fused_attention import fused_attention
 from bam_jax.model import Attention
-from bam_jax.pallas_attention import pallas_attention
 
 SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionSpec))
 
@@ -94,7 +94,7 @@ def test_no_implementation_declares_a_field_of_the_spec(implementation) -> None:
 
 
 def test_the_fused_kernel_declares_no_field_of_the_spec() -> None:
-    parameters = inspect.signature(inspect.unwrap(pallas_attention)).parameters
+    parameters = inspect.signature(inspect.unwrap(fused_attention)).parameters
     assert not set(SPEC_FIELDS) & set(parameters)
 
 

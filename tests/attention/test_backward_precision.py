@@ -21,7 +21,7 @@ import pytest
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.attention_spec import AttentionSpec
-from bam_jax.pallas_attention import pallas_attention
+from bam_jax.fused_attention import fused_attention
 from bam_jax.priors import GGDPrior
 from tests.support.cpu_compiler import needs_compiler
 from tests.support.float64 import float64_attention, x64_mode
@@ -94,7 +94,7 @@ PRIMALS = ("q", "k", "v", "theta_alpha", "theta_beta", "theta_mu", "ssmax_scale"
 IMPLEMENTATIONS = {
     "blockwise": functools.partial(dot_product_attention, implementation="blockwise"),
     "fused": functools.partial(dot_product_attention, implementation="fused"),
-    "gpu_interpret": lambda q, k, v, *, ssmax_prior_inside, **arrays: pallas_attention(
+    "gpu_interpret": lambda q, k, v, *, ssmax_prior_inside, **arrays: fused_attention(
         q,
         k,
         v,

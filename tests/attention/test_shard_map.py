@@ -19,7 +19,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 import bam_jax
-from bam_jax.pallas_attention import pallas_attention
+from bam_jax.fused_attention import fused_attention
 from bam_jax.priors import AlibiPrior, GGDPrior
 
 mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -53,7 +53,7 @@ def attention(implementation, case, q, k, v, prior, ssmax, segments):
         prior=prior, ssmax_scale_H=ssmax, query_segment_ids_BxT=ids, key_segment_ids_BxS=ids
     )
     if implementation == "pallas_tpu_interpret":
-        return pallas_attention(q, k, v, spec, backend="tpu", interpret=True, **arrays)
+        return fused_attention(q, k, v, spec, backend="tpu", interpret=True, **arrays)
     spec = spec.replace(implementation=implementation)
     return bam_jax.dot_product_attention(q, k, v, spec, **arrays)
 

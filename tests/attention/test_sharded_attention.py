@@ -25,7 +25,7 @@ import json, re, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import bam_jax
-from bam_jax.pallas_attention import pallas_attention
+from bam_jax.fused_attention import fused_attention
 from bam_jax.priors import GGDPrior
 
 # The Pallas GPU kernel in interpret mode, forward and Triton backward (the TPU kernel's
@@ -63,7 +63,7 @@ def attention(implementation, q, k, v, prior, ssmax):
     if implementation in PALLAS:
         backend, backward = PALLAS[implementation]
         spec = bam_jax.AttentionSpec(block_q=32, block_k=32)
-        return pallas_attention(
+        return fused_attention(
             q, k, v, spec, **arrays, backend=backend, interpret=True, backward=backward
         )
     spec = bam_jax.AttentionSpec(implementation=implementation, block_q=64, block_k=64)

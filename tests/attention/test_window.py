@@ -20,14 +20,14 @@ import bam_jax
 import bam_jax.blockwise
 from bam_configs.presets import preset
 from bam_jax.attention_spec import AttentionSpec
-from bam_jax.pallas_attention import pallas_attention
+from bam_jax.fused_attention import fused_attention
 from tests.support.cpu_compiler import needs_compiler
 
 HEAD_DIM = 16
 
 
 def _fused(backend: str, interpret: bool):
-    return functools.partial(pallas_attention, backend=backend, interpret=interpret)
+    return functools.partial(fused_attention, backend=backend, interpret=interpret)
 
 
 REFERENCE = pytest.param(bam_jax.reference_attention, id="reference")

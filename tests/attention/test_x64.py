@@ -20,8 +20,8 @@ from flax import nnx
 
 from bam_jax.attention import dot_product_attention, reference_attention
 from bam_jax.config import ModelConfig
+from bam_jax.fused_attention import fused_attention
 from bam_jax.model import Transformer
-from bam_jax.pallas_attention import pallas_attention
 from tests.support.cpu_compiler import HAS_COMPILER, needs_compiler
 from tests.support.float64 import x64_mode
 from tests.support.grids import slow_unless
@@ -112,7 +112,7 @@ def implementation_run(case: Case, implementation: str) -> Callable[[dict], jax.
 
 def interpret_run(case: Case, backend: str, backward: str) -> Callable[[dict], jax.Array]:
     def run(i: dict) -> jax.Array:
-        return pallas_attention(
+        return fused_attention(
             i["q"],
             i["k"],
             i["v"],

@@ -266,7 +266,7 @@ def test_valid_results_still_load(tmp_path) -> None:
     store = ResultStore(str(path), {"name": "m"}, entry_fields=("accuracy",))
     store.put({"seed": 0}, "300", {"accuracy": 0.5})
     again = ResultStore(str(path), entry_fields=("accuracy",))
-    assert again.get({"seed": 0}, "300") == {"accuracy": 0.5}
+    assert again.get({"seed": 0}, "300") == {"accuracy": 0.5, "invocation": 0}
     assert json.loads(path.read_text())["model"] == {"name": "m"}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from bam_eval import api
+from bam_eval import api, tables
 from bam_eval.cli import main
 from bam_eval.results import ResultStore
 from bam_quickstart import run as quickstart
@@ -57,7 +57,7 @@ def test_a_fresh_store_does_not_read_the_file(tmp_path) -> None:
     assert path.read_text() == "not json"
     store.put({"seed": 0}, "300", {"accuracy": 1.0})
     assert json.loads(path.read_text())["runs"] == {
-        "seed=0": {"settings": {"seed": 0}, "entries": {"300": {"accuracy": 1.0}}}
+        "seed=0": {"settings": {"seed": 0}, "entries": {"300": {"accuracy": 1.0, "invocation": 0}}}
     }
 
 
@@ -73,6 +73,6 @@ def test_quickstart_passes_fresh_on(tmp_path, monkeypatch) -> None:
     model = SimpleNamespace(name="bam_ssmax", train_length=64)
     monkeypatch.setattr(api, "load_models", lambda specs: [model])
     monkeypatch.setattr(api, "run_passkey", run_passkey)
-    monkeypatch.setattr(api, "passkey_table", lambda results, lengths: "")
+    monkeypatch.setattr(tables, "passkey_table", lambda results, lengths: "")
     assert quickstart.main(["--out", str(tmp_path), "--fresh", "--no-plots"]) == 0
     assert evaluated["fresh"] is True

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from bam_configs.presets import preset
-from bam_eval import api
+from bam_eval import api, tables
 from bam_quickstart import run
 from bam_quickstart.run import main, quickstart_config
 from bam_train.loop import TrainResult
@@ -111,8 +111,8 @@ def test_seed_summary_gives_mean_and_range_per_group():
 
     curves = {"a": entries(1.0, 0.5), "a_seed1": entries(1.0, 0.9), "b": entries(0.2)}
     groups = {"a": ["a", "a_seed1"], "b": ["b"]}
-    assert api.accuracy_spread(curves, groups)["a"][256] == pytest.approx((70.0, 50.0, 90.0))
-    table = api.seed_summary(curves, groups, 128).splitlines()
+    assert tables.accuracy_spread(curves, groups)["a"][256] == pytest.approx((70.0, 50.0, 90.0))
+    table = tables.seed_summary(curves, groups, 128).splitlines()
     assert table[0].split()[:4] == ["model", "runs", "128", "(1x)"]
     assert table[2].split() == ["a", "2", "100", "[100-100]", "70", "[50-90]"]
     assert table[3].split() == ["b", "1", "20", "[20-20]", "-"]
@@ -130,7 +130,7 @@ def test_seed_summary_counts_a_sweep_stopped_at_zero_as_zero_beyond() -> None:
     }
     curves["a_seed2"] = entries(1.0, 0.5)
     groups = {"a": ["a", "a_seed1", "a_seed2"], "b": ["b"]}
-    spread = api.accuracy_spread(curves, groups)["a"]
+    spread = tables.accuracy_spread(curves, groups)["a"]
     assert spread[512] == pytest.approx((30.0, 0.0, 60.0))
     assert spread[1024] == pytest.approx((20.0, 0.0, 40.0))
 
@@ -209,9 +209,9 @@ def test_perplexity_spread_gives_mean_and_range_of_the_loss_per_window():
         return {"positions": [256 * (i + 1) for i in range(len(losses))], "loss": list(losses)}
 
     curves = {"a": curve(1.0, 2.0), "a_seed1": curve(3.0, 2.0), "b": curve(0.5, 0.5)}
-    spread = api.perplexity_spread(curves, {"a": ["a", "a_seed1"], "b": ["b"]})
+    spread = tables.perplexity_spread(curves, {"a": ["a", "a_seed1"], "b": ["b"]})
     assert spread["a"] == {256: (2.0, 1.0, 3.0), 512: (2.0, 2.0, 2.0)}
-    table = api.perplexity_seed_table(spread, 256, [512], perplexity=True).splitlines()
+    table = tables.perplexity_seed_table(spread, 256, [512], perplexity=True).splitlines()
     assert table[0].split() == ["window", "end", "a", "b"]
     assert table[2].split() == ["512", "(2x)", "7.389", "[7.389-7.389]", "1.649", "[1.649-1.649]"]
 

@@ -1,4 +1,4 @@
-"""bench/accelerator_check.py on CPU: refusal, the gate's verdict, deadline, incremental table."""
+"""bench/accelerator_check/ on CPU: refusal, the gate's verdict, deadline, incremental table."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import jax
 import pytest
 
 from bam_jax.attention import reference_attention
-from bench import accelerator_check, pallas_bench
+from bench import pallas_bench
+from bench.accelerator_check import cli, gate, report, settings, throughput
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
 
-SMOKE_SETTINGS = accelerator_check.make_settings(accelerator_check.parse_args(["--smoke"]))
+SMOKE_SETTINGS = settings.make_settings(cli.parse_args(["--smoke"]))
 
 
 def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -32,7 +33,7 @@ def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="refusal is for machines without one")
-@pytest.mark.parametrize("main", [accelerator_check.main, pallas_bench.main])
+@pytest.mark.parametrize("main", [cli.main, pallas_bench.main])
 def test_refuses_without_an_accelerator_in_one_line(main, tmp_path: Path, capsys) -> None:
     out = tmp_path / "table.md"
     assert main(["--out", str(out)]) == 2
@@ -49,10 +50,10 @@ def test_failed_gate_prints_fail_skips_kernel_rows_and_exits_1(
         yield "values float32", 1e-6, 2e-3
         yield "gradient dq", float("nan"), 1e-2  # NaN must fail, not slip through a comparison
 
-    monkeypatch.setattr(accelerator_check, "gate_checks", checks)
+    monkeypatch.setattr(gate, "gate_checks", checks)
     out = tmp_path / "table.md"
     argv = ["--smoke", "--sections", "gate", "throughput", "--lengths", "32"]
-    rc = accelerator_check.main([*argv, "--variants", "pallas", "xla", "--out", str(out)])
+    rc = cli.main([*argv, "--variants", "pallas", "xla", "--out", str(out)])
     text = out.read_text()
     assert rc == 1
     assert "Gate: FAIL" in text
@@ -70,12 +71,12 @@ def test_gate_fails_a_kernel_that_ignores_the_prior(
     def kernel_without_prior(q, k, v, spec, *, prior, backend, interpret, prior_table, **options):
         return reference_attention(q, k, v, spec, prior=None, **options)
 
-    first_case = accelerator_check.gate_cases(smoke=True)[:1]
-    monkeypatch.setattr(accelerator_check, "gate_cases", lambda smoke: first_case)
-    monkeypatch.setattr(accelerator_check, "pallas_attention", kernel_without_prior)
-    report = accelerator_check.Report(tmp_path / "table.md")
-    assert not accelerator_check.run_gate(report, SMOKE_SETTINGS)
-    text = report.path.read_text()
+    first_case = gate.gate_cases(smoke=True)[:1]
+    monkeypatch.setattr(gate, "gate_cases", lambda smoke: first_case)
+    monkeypatch.setattr(gate, "fused_attention", kernel_without_prior)
+    table = report.Report(tmp_path / "table.md")
+    assert not gate.run_gate(table, SMOKE_SETTINGS)
+    text = table.path.read_text()
     assert "| values float32 |" in text and "Gate: FAIL" in text
     value_row = next(line for line in text.splitlines() if "| values float32 |" in line)
     assert value_row.endswith("| FAIL |")
@@ -84,23 +85,23 @@ def test_gate_fails_a_kernel_that_ignores_the_prior(
 def test_rows_that_would_pass_the_deadline_or_memory_are_skipped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    report = accelerator_check.Report(tmp_path / "table.md")
-    deadline = accelerator_check.Deadline(limit_s=1.0)
-    run = accelerator_check.ThroughputRun(report, SMOKE_SETTINGS, deadline, 1.0, True)
+    table = report.Report(tmp_path / "table.md")
+    deadline = report.Deadline(limit_s=1.0)
+    run = throughput.ThroughputRun(table, SMOKE_SETTINGS, deadline, 1.0, True)
     run.measure("pallas", 64, backward=False)
-    assert "skipped: would pass the deadline" in report.path.read_text()
-    monkeypatch.setattr(accelerator_check, "device_memory_bytes", lambda: 141e9)
+    assert "skipped: would pass the deadline" in table.path.read_text()
+    monkeypatch.setattr(throughput, "device_memory_bytes", lambda: 141e9)
     reason = run.skip_reason("xla", 131072, backward=True)
     assert reason is not None and reason.startswith("skipped: needs ~")
 
 
 def test_table_is_on_disk_after_every_row(tmp_path: Path) -> None:
-    report = accelerator_check.Report(tmp_path / "sub" / "table.md")
-    report.table("title", ("a", "b"))
-    report.row("x", 1.0)
-    assert report.path.read_text().splitlines()[-1] == "| x | 1 |"
-    report.row("y|z", 2)
-    assert report.path.read_text().splitlines()[-1] == "| y/z | 2 |"
+    table = report.Report(tmp_path / "sub" / "table.md")
+    table.table("title", ("a", "b"))
+    table.row("x", 1.0)
+    assert table.path.read_text().splitlines()[-1] == "| x | 1 |"
+    table.row("y|z", 2)
+    assert table.path.read_text().splitlines()[-1] == "| y/z | 2 |"
 
 
 def test_deadline_stops_the_run_and_leaves_the_table(tmp_path: Path) -> None:
@@ -115,7 +116,7 @@ def test_deadline_stops_the_run_and_leaves_the_table(tmp_path: Path) -> None:
 def test_default_out_path_names_device_and_date() -> None:
     import datetime
 
-    path = accelerator_check.default_out_path(datetime.date(2026, 3, 1))
+    path = settings.default_out_path(datetime.date(2026, 3, 1))
     assert path.parent == Path("results/accelerator_check")
     assert path.name.endswith("-2026-03-01.md") and " " not in path.name
 
@@ -126,7 +127,7 @@ def test_pallas_bench_is_a_front_end_of_the_check() -> None:
     assert "131072" in compiled and "--smoke" not in compiled
     interpret = pallas_bench.check_arguments(["--interpret"])
     assert "--smoke" in interpret and "--interpret" not in interpret
-    args = accelerator_check.parse_args(pallas_bench.check_arguments(["--lengths", "4096"]))
+    args = cli.parse_args(pallas_bench.check_arguments(["--lengths", "4096"]))
     assert args.lengths == [4096] and args.sections == ["gate", "throughput"]
 
 

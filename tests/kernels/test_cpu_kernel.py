@@ -6,12 +6,13 @@ documents with padding, SSMax with the prior inside and outside, grouped-query h
 negative and saturated prior shapes, ALiBi, windows, bidirectional attention, decoding one
 query, and head dims that are not whole 16-float vectors. Gradients run the blockwise
 backward on the kernel's output and log-sum-exp. Every test here runs the kernel itself,
-even for the few queries that pallas_attention otherwise hands to blockwise attention.
+even for the few queries that fused_attention otherwise hands to blockwise attention.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import platform
@@ -23,11 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bam_jax import pallas_attention as pallas_attention_module
+from bam_jax import fused_attention as fused_attention_module
 from bam_jax.attention import dot_product_attention
 from bam_jax.attention_spec import AttentionSpec
+from bam_jax.fused_attention import fused_attention
 from bam_jax.kernels import cpu
-from bam_jax.pallas_attention import pallas_attention
+from bam_jax.kernels.registry import FUSED_BACKENDS
 from tests.support.cpu_compiler import needs_compiler
 from tests.support.float64 import float64_attention, x64_mode
 from tests.support.kernel_cases import (
@@ -47,7 +49,8 @@ pytestmark = needs_compiler
 
 @pytest.fixture(autouse=True)
 def every_query_count_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu, "CPU_MIN_QUERIES", 0)
+    every_call = dataclasses.replace(FUSED_BACKENDS["cpu"], min_queries=0)
+    monkeypatch.setitem(FUSED_BACKENDS, "cpu", every_call)
 
 
 @pytest.mark.parametrize("name", sorted(CPU_KERNEL_CASES))
@@ -104,7 +107,7 @@ def test_cutting_a_window_from_a_long_cache_changes_no_bit(monkeypatch) -> None:
     inputs = make_inputs(case)
     cut = run_kernel(case, "cpu", inputs)
     monkeypatch.setattr(
-        pallas_attention_module, "window_keys", lambda k, v, seg, off, **_: (k, v, seg, off)
+        fused_attention_module, "window_keys", lambda k, v, seg, off, **_: (k, v, seg, off)
     )
     np.testing.assert_array_equal(cut, run_kernel(case, "cpu", inputs))
 
@@ -116,7 +119,7 @@ def test_implementation_pallas_on_cpu_is_the_cpu_kernel() -> None:
     args = (inputs["q"], inputs["k"], inputs["v"])
     spec = AttentionSpec(ssmax_prior_inside=False)
     chosen = dot_product_attention(*args, spec.replace(implementation="fused"), **kwargs)
-    kernel = pallas_attention(*args, spec, **kwargs, backend="cpu")
+    kernel = fused_attention(*args, spec, **kwargs, backend="cpu")
     np.testing.assert_array_equal(chosen, kernel)
     np.testing.assert_allclose(chosen, run_reference(case, inputs), atol=2e-5, rtol=2e-5)
 
@@ -174,7 +177,7 @@ def test_no_queries_or_no_keys_give_zeros() -> None:
     q = jnp.ones((2, 8, 4, 16))
     for q_len, kv_len in ((0, 8), (8, 0)):
         k = v = jnp.ones((2, kv_len, 2, 16))
-        out = pallas_attention(q[:, :q_len], k, v, backend="cpu")
+        out = fused_attention(q[:, :q_len], k, v, backend="cpu")
         assert out.shape == (2, q_len, 4, 16)
         np.testing.assert_array_equal(np.asarray(out), 0.0)
 
@@ -182,9 +185,9 @@ def test_no_queries_or_no_keys_give_zeros() -> None:
 def test_options_the_cpu_kernel_does_not_have_raise() -> None:
     x = jnp.zeros((1, 8, 2, 16))
     with pytest.raises(ValueError, match="no interpret mode"):
-        pallas_attention(x, x, x, backend="cpu", interpret=True)
+        fused_attention(x, x, x, backend="cpu", interpret=True)
     with pytest.raises(NotImplementedError, match="backward='blockwise'"):
-        pallas_attention(x, x, x, backend="cpu", backward="fused")
+        fused_attention(x, x, x, backend="cpu", backward="fused")
 
 
 def test_a_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

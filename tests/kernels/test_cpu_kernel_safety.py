@@ -86,9 +86,9 @@ def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path: Path) -> None:
         import os
         os.environ["{cpu.CACHE_ENV}"] = {str(cache)!r}
         import jax.numpy as jnp
-        from bam_jax.pallas_attention import pallas_attention
+        from bam_jax.fused_attention import fused_attention
         x = jnp.ones((1, 70, 2, 16))
-        assert float(pallas_attention(x, x, x, backend="cpu").sum()) == 70 * 2 * 16
+        assert float(fused_attention(x, x, x, backend="cpu").sum()) == 70 * 2 * 16
     """)
     assert library.read_bytes() == built.read_bytes()
 
@@ -282,7 +282,7 @@ def test_thread_limits_do_not_stop_the_kernel() -> None:
     run_python("""
         import os, resource, threading
         import jax, jax.numpy as jnp, numpy as np
-        from bam_jax.pallas_attention import pallas_attention
+        from bam_jax.fused_attention import fused_attention
 
         def uid_without_processes() -> int:
             used = set()
@@ -296,7 +296,7 @@ def test_thread_limits_do_not_stop_the_kernel() -> None:
 
         q = jax.random.normal(jax.random.key(0), (1, 600, 4, 64))
         k = jax.random.normal(jax.random.key(1), (1, 900, 2, 64))
-        run = jax.jit(lambda q, k: pallas_attention(q, k, k, backend="cpu", query_offset=300))
+        run = jax.jit(lambda q, k: fused_attention(q, k, k, backend="cpu", query_offset=300))
         run = run.lower(q, k).compile()
         expected = np.asarray(run(q, k))
         if os.getuid() == 0:

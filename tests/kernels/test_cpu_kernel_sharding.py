@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bam_jax.pallas_attention import pallas_attention
+from bam_jax.fused_attention import fused_attention
 from tests.support.cpu_compiler import needs_compiler
 from tests.support.grids import selected_values, slow_unless
 from tests.support.host_devices import host_devices_result
@@ -73,7 +73,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from bam_jax.kernels.cpu import TARGET_NAME
-from bam_jax.pallas_attention import pallas_attention
+from bam_jax.fused_attention import fused_attention
 from tests.support.kernel_cases import attention_kwargs, make_inputs
 
 COLLECTIVES = {collectives!r}
@@ -91,7 +91,7 @@ def count_ops(hlo, name):
 def attention(case, q, k, v, prior, ssmax, q_seg, k_seg):
     inputs = dict(q=q, k=k, v=v, prior=prior, ssmax=ssmax, q_seg=q_seg, k_seg=k_seg)
     kwargs = attention_kwargs(case, inputs)
-    return pallas_attention(q, k, v, **kwargs, backend="cpu")
+    return fused_attention(q, k, v, **kwargs, backend="cpu")
 
 
 def loss(case, weights, *args):
@@ -208,7 +208,7 @@ def test_vmap_runs_the_kernel_per_index():
     k_VxBxSxKxD = jnp.asarray(rng.normal(size=(3, 2, 64, 2, 16)), jnp.float32)
 
     def attention(q, k):
-        return pallas_attention(q, k, k, backend="cpu")
+        return fused_attention(q, k, k, backend="cpu")
 
     vmapped = jax.jit(jax.vmap(attention))(q_VxBxTxHxD, k_VxBxSxKxD)
     for index in range(3):

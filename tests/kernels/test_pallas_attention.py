@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bam_jax import implementation
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.config import ModelConfig
+from bam_jax.fused_attention import fused_attention
 from bam_jax.implementation import resolve_implementation
 from bam_jax.kernels.lowering import kernel_modules, lower_for, tile_op_counts
+from bam_jax.kernels.registry import FUSED_BACKENDS
 from bam_jax.masking import AttentionMask, visibility_mask
-from bam_jax.pallas_attention import pallas_attention
 from tests.support.kernel_cases import (
     LOWERING_CASES,
     Case,
@@ -163,7 +163,7 @@ def test_bad_arguments_raise() -> None:
         )
     for block_q, block_k, message in ((512, 64, "block_q"), (128, 256, "block_k"), (48, 64, "")):
         with pytest.raises(ValueError, match=f"{message or 'block_q'} must be a power of two"):
-            pallas_attention(
+            fused_attention(
                 inputs["q"],
                 inputs["k"],
                 inputs["v"],
@@ -215,7 +215,7 @@ def test_no_queries_or_no_keys_give_zeros() -> None:
     q = jnp.ones((2, 8, 4, 16))
     for q_len, kv_len in ((0, 8), (8, 0)):
         k = v = jnp.ones((2, kv_len, 2, 16))
-        out = pallas_attention(q[:, :q_len], k, v, backend="gpu", interpret=True)
+        out = fused_attention(q[:, :q_len], k, v, backend="gpu", interpret=True)
         assert out.shape == (2, q_len, 4, 16)
         np.testing.assert_array_equal(np.asarray(out), 0.0)
 
@@ -227,12 +227,13 @@ class FakeDevice:
 
 
 def test_dispatch_and_default_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Blockwise everywhere until a device kind has passed bench/accelerator_check.py.
+    # Blockwise everywhere until a device kind has passed bench/accelerator_check/.
     assert resolve_implementation() == "blockwise"
     h200 = FakeDevice("gpu", "NVIDIA H200")
     assert resolve_implementation(device=h200) == "blockwise"
     assert resolve_implementation(device=FakeDevice("tpu", "TPU v5 lite")) == "blockwise"
-    monkeypatch.setattr(implementation, "FUSED_VALIDATED_DEVICES", ("NVIDIA H200",))
+    validated = dataclasses.replace(FUSED_BACKENDS["gpu"], validated_devices=("NVIDIA H200",))
+    monkeypatch.setitem(FUSED_BACKENDS, "gpu", validated)
     assert resolve_implementation(device=h200) == "fused"
     assert resolve_implementation("pallas", device=h200) == "fused"
     a100 = FakeDevice("gpu", "NVIDIA A100-SXM4-80GB")
@@ -265,7 +266,7 @@ def lowered_kernel_text(case: Case, platform: str, **options) -> str:
 
     def forward(q, k, v):
         kwargs = attention_kwargs(case, inputs, block_q=None, block_k=None)
-        return pallas_attention(q, k, v, **kwargs, backend=backend, **options)
+        return fused_attention(q, k, v, **kwargs, backend=backend, **options)
 
     return lower_for(forward, shapes, platform).as_text()
 
@@ -295,7 +296,7 @@ def test_gpu_tile_does_no_divide_or_conversion_per_logit(variant: str) -> None:
 
     def forward(q, k, v):
         kwargs = attention_kwargs(case, inputs)
-        return pallas_attention(q, k, v, **kwargs, backend="gpu", debug=True, **options)
+        return fused_attention(q, k, v, **kwargs, backend="gpu", debug=True, **options)
 
     [module] = kernel_modules(forward, shapes, "cuda")
     counts = tile_op_counts(module, rows, 64)
@@ -313,7 +314,7 @@ def test_tpu_tile_does_no_divide_or_conversion_per_logit(prior_table: bool, spec
 
     def forward(q, k, v):
         kwargs = attention_kwargs(case, inputs)
-        return pallas_attention(
+        return fused_attention(
             q, k, v, **kwargs, backend="tpu", debug=True, prior_table=prior_table
         )
 

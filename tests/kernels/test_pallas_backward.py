@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bam_jax.fused_attention import fused_attention
 from bam_jax.kernels.lowering import lower_for
-from bam_jax.pallas_attention import pallas_attention
 from tests.support.kernel_cases import (
     LOWERING_CASES,
     Case,
@@ -46,7 +46,7 @@ def gradients(case: Case, inputs: dict, backward: str | None) -> tuple:
         if backward is None:
             out = run_reference(case, args)
         else:
-            out = pallas_attention(
+            out = fused_attention(
                 q,
                 k,
                 v,
@@ -152,12 +152,12 @@ def test_backward_argument_is_checked() -> None:
     args = (inputs["q"], inputs["k"], inputs["v"])
     kwargs = attention_kwargs(case, inputs)
     with pytest.raises(ValueError, match="backward"):
-        pallas_attention(*args, **kwargs, backend="gpu", interpret=True, backward="triton")
+        fused_attention(*args, **kwargs, backend="gpu", interpret=True, backward="triton")
     with pytest.raises(NotImplementedError, match=r"backward='fused'.*gpu"):
-        pallas_attention(*args, **kwargs, backend="tpu", interpret=True, backward="fused")
+        fused_attention(*args, **kwargs, backend="tpu", interpret=True, backward="fused")
     kwargs["prior"] = PowerLawPrior(jnp.ones((4,), jnp.float32))
     with pytest.raises(NotImplementedError, match=r"GGDPrior \(training form\) and AlibiPrior"):
-        pallas_attention(*args, **kwargs, backend="gpu", interpret=True, backward="fused")
+        fused_attention(*args, **kwargs, backend="gpu", interpret=True, backward="fused")
 
 
 @pytest.mark.parametrize("name", sorted(LOWERING_CASES))
@@ -171,7 +171,7 @@ def test_backward_kernels_lower_for_cuda(name: str) -> None:
     def loss(q, k, v, prior, ssmax):
         arrays = dict(inputs, prior=prior, ssmax=ssmax)
         kwargs = attention_kwargs(case, arrays, block_q=None, block_k=None)
-        out = pallas_attention(q, k, v, **kwargs, backend="gpu")  # default backward: fused
+        out = fused_attention(q, k, v, **kwargs, backend="gpu")  # default backward: fused
         return jnp.sum(out.astype(jnp.float32))
 
     args = (inputs["q"], inputs["k"], inputs["v"], inputs["prior"], inputs["ssmax"])

@@ -17,8 +17,8 @@ from jax import export
 
 import bam_jax
 from bam_jax import GGDPrior, KVCache, alibi_prior
+from bam_jax.fused_attention import fused_attention
 from bam_jax.kernels.cpu import TARGET_NAME
-from bam_jax.pallas_attention import pallas_attention
 from tests.support.cpu_compiler import needs_compiler
 
 
@@ -147,7 +147,7 @@ def test_blockwise_attention_exports_with_a_symbolic_batch_and_length(window):
 def test_a_pallas_kernel_with_symbolic_shapes_says_to_export_blockwise(backend):
     def attention(q_BxTxHxD):
         spec = bam_jax.AttentionSpec()
-        return pallas_attention(
+        return fused_attention(
             q_BxTxHxD, q_BxTxHxD, q_BxTxHxD, spec, backend=backend, interpret=True
         )
 

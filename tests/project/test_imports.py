@@ -163,5 +163,5 @@ def test_no_import_cycles() -> None:
 
 def test_the_graph_sees_the_attention_layers() -> None:
     graph, _ = _import_graph()
-    assert {"bam_jax.blockwise", "bam_jax.pallas_attention"} <= graph["bam_jax.attention"]
+    assert {"bam_jax.blockwise", "bam_jax.fused_attention"} <= graph["bam_jax.attention"]
     assert "bam_jax.masking" in graph["bam_jax.kernels.tile_math"]

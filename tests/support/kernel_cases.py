@@ -12,8 +12,8 @@ import numpy as np
 
 from bam_jax.attention import reference_attention
 from bam_jax.attention_spec import AttentionSpec
+from bam_jax.fused_attention import fused_attention
 from bam_jax.masking import AttentionMask, visibility_mask
-from bam_jax.pallas_attention import pallas_attention
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes
 
 BETAS = (1.7, 1.0, 0.5, 0.0, -0.6)
@@ -111,7 +111,7 @@ def run_kernel(case: Case, backend: str, inputs: dict, **overrides) -> jax.Array
     take several times longer); tests/kernels/test_cpu_kernel.py also runs it eagerly."""
 
     def run(inputs: dict) -> jax.Array:
-        return pallas_attention(
+        return fused_attention(
             inputs["q"],
             inputs["k"],
             inputs["v"],

@@ -65,3 +65,31 @@ def test_paper_preset_validates_on_whole_micro_batches(name):
     rows = cfg.batch_size * cfg.eval_batches
     assert rows == cfg.data.val_rows
     assert cfg.batch_size * cfg.model.max_seq_len == 32_768
+
+
+# The language-model presets keep every optimizer and prior value of the authors' recipe but
+# their size-dependent ones: one learning rate for every group, stated in their docstring.
+LM_PRESETS = ("paper_lm", "paper_lm_copy")
+LM_DEPARTURES = {"optim.lr", "optim.prior_lr", "optim.ssmax_lr", "model.dtype"}
+
+
+@pytest.mark.parametrize("name", LM_PRESETS)
+def test_language_model_presets_keep_the_authors_optimizer_and_prior(name):
+    cfg = preset(name)
+    pinned = {
+        field: value
+        for field, value in authors_table().items()
+        if field.startswith(("optim.", "model.")) and field not in LM_DEPARTURES
+    }
+    assert {"optim.numerics", "optim.warmup_steps", "model.prior_beta_init"} <= set(pinned)
+    wrong = {f: (field_value(cfg, f), v) for f, v in pinned.items() if field_value(cfg, f) != v}
+    assert not wrong, f"{name}: field: (preset, authors') {wrong}"
+    assert cfg.optim.lr == cfg.optim.prior_lr == cfg.optim.ssmax_lr
+    assert (cfg.data.source, cfg.data.tokenizer, cfg.data.shuffle) == ("text", "byte", False)
+    assert cfg.model.local_layers == 0 and cfg.ssmax_jitter == 0 and cfg.prior_dilation == 1
+
+
+def test_only_copy_seeding_tells_the_language_model_presets_apart():
+    pure, seeded = preset("paper_lm"), preset("paper_lm_copy")
+    assert pure.data.copy_seeding == 0 and 0 < seeded.data.copy_seeding < 1
+    assert seeded.replace(data=pure.data) == pure

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -56,15 +55,17 @@ from jax.experimental import pallas as pl
 from bam_jax.attention_inputs import checked_attention
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.blockwise import blockwise_attention, flash_backward, window_keys
-from bam_jax.kernels import cpu
-from bam_jax.kernels.cpu import CPU_BLOCK_K, CPU_BLOCK_Q, cpu_forward
-from bam_jax.kernels.gpu import gpu_defaults, gpu_forward
+from bam_jax.kernels.backend import BLOCKWISE_BACKWARD_BLOCK, FusedBackend
+from bam_jax.kernels.cpu import cpu_forward
+from bam_jax.kernels.gpu import gpu_forward
 from bam_jax.kernels.gpu_backward import fused_gpu_backward
 from bam_jax.kernels.partitioning import (
     FORWARD_OPERAND_ROLES,
     FORWARD_RESULT_ROLES,
     partitioned_by_batch_and_heads,
 )
+from bam_jax.kernels.prior_table import prior_table as prior_table_of
+from bam_jax.kernels.registry import FUSED_BACKENDS
 from bam_jax.kernels.tile_math import (
     BETA,
     COEF,
@@ -77,18 +78,12 @@ from bam_jax.kernels.tile_math import (
     KernelConfig,
     ggd_limit,
     pad_to,
-    round_up,
 )
 from bam_jax.kernels.tpu import tpu_forward
 from bam_jax.masking import log_visible_count
 from bam_jax.priors import AlibiPrior, GGDPrior, Prior, ggd_mu
 from bam_jax.pytrees import vary_together
 
-GPU_MAX_BLOCK_Q = 256
-GPU_MAX_BLOCK_K = 128
-GPU_MIN_BLOCK = 16  # tensor-core dots need both tile sides >= 16
-TPU_LANES = 128
-BACKWARD_BLOCK = 512
 Backward = Literal["fused", "blockwise"]
 # The fused backward's operands (q, k, v, head params, log_n, q segments, k segments,
 # offset, output, log-sum-exp, output cotangent) and results (dq, dk, dv, the head
@@ -102,33 +97,8 @@ BACKWARD_OPERAND_ROLES = (
 BACKWARD_RESULT_ROLES = (*FORWARD_OPERAND_ROLES[:3], ("batch", "heads", None))
 
 
-TPU_DEFAULT_BLOCK_Q = 256
-TPU_DEFAULT_BLOCK_K = 512
-BlockChooser = Callable[[bool, int, int, int, int | None, int | None], tuple[int, int]]
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedBackend:
-    """What the fused kernel is on one platform: the dispatcher reads these fields instead
-    of comparing backend names (FUSED_BACKENDS, below the block choosers)."""
-
-    name: Backend
-    choose_blocks: BlockChooser
-    pallas: bool = False  # a Pallas kernel, which has an interpret mode; else native code
-    fused_backward: bool = False  # backward kernels of its own; else the blockwise backward
-    table_prior_only: bool = False  # reads every prior from its distance table
-    approx_math: bool = False  # may use the hardware's approximate exp2/log2
-    prior_reuse: bool = False  # GGD tiles reusable across query sub-blocks
-    pads_head_dim: bool = False  # the head dim is padded to a power of two
-    min_queries: int = 0  # calls of fewer queries run blockwise attention (the same function)
-    reads_window_only: bool = False  # a local layer over a long cache reads its window only
-    # Its interpret mode runs callbacks, which a partitioning rule cannot hold: interpreted,
-    # it runs unpartitioned (gathered under a mesh).
-    interpret_has_callbacks: bool = False
-
-
 @checked_attention
-def pallas_attention(
+def fused_attention(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
     value_BxSxKxD: jax.Array,
@@ -192,7 +162,7 @@ def pallas_attention(
             query_BxTxHxD,
             key_BxSxKxD,
             value_BxSxKxD,
-            spec.replace(block_q=fused.min_queries, block_k=cpu.CPU_SHORT_BLOCK_K),
+            spec.replace(block_q=fused.min_queries, block_k=fused.short_call_block_k),
             prior=prior,
             ssmax_scale_H=ssmax_scale_H,
             ssmax_max_count=ssmax_max_count,
@@ -246,8 +216,7 @@ def pallas_attention(
         log_n_BxT = jnp.broadcast_to(log_visible_count(counts, max_count), (batch, q_len))
     table = None
     if prior_table:
-        distances = prior_table_distances(config, offset[0])
-        table = -jax.lax.stop_gradient(prior.bias(distances)).astype(jnp.float32)
+        table = prior_table_of(config, prior, offset[0])
     aux = AuxInputs(log_n_BxT, query_segment_ids_BxT, key_segment_ids_BxS, offset, table, max_count)
     return _attention(
         config, backward, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, prior, ssmax_scale_H, aux
@@ -310,77 +279,6 @@ def _resolve_backward(fused: FusedBackend, backward: Backward | None, prior_kind
             "AlibiPrior only; use backward='blockwise' (the default for other priors)"
         )
     return backward
-
-
-def _cpu_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[int, int]:
-    """The native kernel's tiles are fixed; block_q and block_k are ignored."""
-    return CPU_BLOCK_Q, CPU_BLOCK_K
-
-
-def _gpu_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[int, int]:
-    defaults = gpu_defaults(head_dim)
-    bq = _gpu_block("block_q", block_q or defaults.block_q, GPU_MAX_BLOCK_Q)
-    bk = _gpu_block("block_k", block_k or defaults.block_k, GPU_MAX_BLOCK_K)
-    return (
-        min(bq, max(GPU_MIN_BLOCK, pl.next_power_of_2(q_len))),
-        min(bk, max(GPU_MIN_BLOCK, pl.next_power_of_2(kv_len))),
-    )
-
-
-def _tpu_blocks(interpret, head_dim, q_len, kv_len, block_q, block_k) -> tuple[int, int]:
-    for name, value in (("block_q", block_q), ("block_k", block_k)):
-        if value is not None and (value <= 0 or value % 8):
-            raise ValueError(f"{name} must be a positive multiple of 8 on TPU, got {value}")
-    bq = min(block_q or TPU_DEFAULT_BLOCK_Q, round_up(q_len, 8))
-    # Compiled Mosaic needs key blocks of whole 128-lane tiles; the keys are padded to them.
-    lanes = 8 if interpret else TPU_LANES
-    bk = round_up(min(block_k or TPU_DEFAULT_BLOCK_K, round_up(kv_len, 8)), lanes)
-    return bq, bk
-
-
-FUSED_BACKENDS: dict[str, FusedBackend] = {
-    "gpu": FusedBackend(
-        "gpu",
-        _gpu_blocks,
-        pallas=True,
-        fused_backward=True,
-        approx_math=True,
-        prior_reuse=True,
-        pads_head_dim=True,
-    ),
-    "tpu": FusedBackend("tpu", _tpu_blocks, pallas=True, interpret_has_callbacks=True),
-    # The native kernel has no per-element transcendental path, so it reads the prior's
-    # table; decode steps (fewer than CPU_MIN_QUERIES queries) run blockwise attention,
-    # which does not compute whole 64-query blocks.
-    "cpu": FusedBackend(
-        "cpu",
-        _cpu_blocks,
-        table_prior_only=True,
-        min_queries=cpu.CPU_MIN_QUERIES,
-        reads_window_only=True,
-    ),
-}
-
-
-def _gpu_block(name: str, value: int, largest: int) -> int:
-    is_power_of_two = value > 0 and value & (value - 1) == 0
-    if not is_power_of_two or not GPU_MIN_BLOCK <= value <= largest:
-        raise ValueError(
-            f"{name} must be a power of two from {GPU_MIN_BLOCK} to {largest} on GPU "
-            f"(Triton tiles), got {value}"
-        )
-    return value
-
-
-def prior_table_distances(config: KernelConfig, offset: jax.Array) -> jax.Array:
-    """The distances k_pos - q_pos of the prior table, ascending, float32 [X].
-
-    Entry t is t - (T_pad - 1) - offset: the key at padded position k and the query at
-    position offset + i (i < T_pad) meet at entry k - i + T_pad - 1, whatever the offset.
-    """
-    size = config.padded_kv_len + config.padded_q_len - 1
-    first = -(config.padded_q_len - 1) - offset
-    return (first + jnp.arange(size, dtype=jnp.int32)).astype(jnp.float32)
 
 
 def _reuse_splits(block_q: int, block_k: int) -> int:
@@ -529,7 +427,7 @@ def _attention_bwd(config: KernelConfig, backward: Backward, residuals, d_out):
             d_out,
             mask=config.mask,
             prior_inside=config.prior_inside,
-            block=BACKWARD_BLOCK,
+            block=BLOCKWISE_BACKWARD_BLOCK,
             ssmax_max_count=aux.ssmax_max_count,
         )
     aux_cotangent = jax.tree.map(lambda _: None, aux)
