@@ -226,13 +226,19 @@ class ChunkedForward:
         # One read-back at the end, so the chunks are dispatched without waiting on each.
         return np.concatenate(jax.device_get(losses), axis=1)[:, : length - 1]
 
-    def compiled_temp_bytes(self, batch: int, n_tokens: int) -> int:
-        """Scratch memory XLA plans for one advance step at this length's capacity."""
+    def compiled_temp_bytes(self, batch: int, n_tokens: int, n_positions: int = 1) -> int:
+        """Scratch memory XLA plans for one step at this length's capacity: the larger of
+        the step that only fills the cache and the one that also scores ``n_positions``
+        positions of each row."""
         capacity = self.capacity_for(n_tokens)
         cache = jax.eval_shape(lambda: self.cache_factory(batch, capacity))
         tokens_BxC = jax.ShapeDtypeStruct((batch, self.chunk_size), jnp.int32)
-        compiled = _advance.lower(self.graphdef, self.state, cache, tokens_BxC).compile()
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+        positions_BxP = jax.ShapeDtypeStruct((batch, n_positions), jnp.int32)
+        steps = (
+            _advance.lower(self.graphdef, self.state, cache, tokens_BxC),
+            _gather.lower(self.graphdef, self.state, cache, tokens_BxC, positions_BxP),
+        )
+        return max(int(s.compile().memory_analysis().temp_size_in_bytes) for s in steps)
 
 
 def model_cache_factory(model: Any, batch: int, capacity: int) -> KVCache:

@@ -27,22 +27,29 @@ everywhere (e.g. a TPU VM pod, found through its metadata server). Elsewhere pas
 --coordinator=HOST:PORT --num_processes=N --process_id=I to every process (or set
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); `--distributed=off` never
 initializes.
+
+Exit status: 0 done (or stopped by SIGTERM, saved), 1 a non-finite loss or a full disk, 2 a
+bad flag, config or workdir, 130 Ctrl-C, 75 another process of a multi-process run stopped
+(restart every process with the same command: it resumes from the last complete
+checkpoint). A multi-process run trains in a child process that `bam-train` watches
+(bam_train.peers): a lost peer ends every other process within about --peer_timeout seconds
+with one line naming it and the checkpoint the restart resumes from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import sys
-import traceback
-import types
 
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
-from bam_configs.presets import TRAINING_PRESETS, preset
+from bam_configs.loading import load_config
+from bam_configs.presets import TRAINING_PRESETS
 from bam_configs.training import TrainConfig, describe_type, field_type, to_config_dict
 from bam_jax import compilation_cache
 from bam_jax.io.checkpoints import quiet_orphaned_checkpoint_reads
@@ -50,6 +57,15 @@ from bam_jax.logs import log_to_stdout
 from bam_train.checkpoint import DiskFullError, quiet_full_disk_reports
 from bam_train.dry_run import dry_run, format_dry_run
 from bam_train.loop import train
+from bam_train.peers import (
+    CHILD_ENV,
+    DEFAULT_PEER_TIMEOUT_S,
+    RunPlace,
+    await_runtime_verdict,
+    is_peer_failure,
+    quiet_peer_failure_reports,
+    supervise,
+)
 from bam_train.setup import build
 from bam_train.signals import INTERRUPTED_STATUS
 from bam_train.step import NonFiniteLossError
@@ -68,106 +84,10 @@ CONFIG_HELP = (
     "Override any field with --config.FIELD=VALUE, e.g. --config.steps=1000 "
     "--config.model.encoding=rope --config.optim.lr=3e-4 --config.data.path=DIR."
 )
-PY_CONFIG_RESULT = "an ml_collections ConfigDict of TrainConfig fields or a TrainConfig"
 # An override such as --config.model.dim=64, --config.steps 5 or --noconfig.progress_bar.
 OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]*)")
 # How absl reports a value it cannot parse: "flag --NAME=VALUE: REASON".
 BAD_OVERRIDE_VALUE = re.compile(r"^flag --config\.([\w.]+)=(.*?): ", re.DOTALL)
-
-
-def load_config(spec: str) -> TrainConfig:
-    """The config `--config=SPEC` names: a training preset, a .py file with get_config()
-    (`FILE.py:ARG` calls get_config(ARG)) or a config.json."""
-    path, _, arg = spec.partition(":")
-    if path.endswith(".py"):
-        return _python_config(path, arg or None)
-    if spec in TRAINING_PRESETS:
-        return preset(spec)
-    if spec.endswith(".json"):
-        return TrainConfig.from_dict(_read_json_config(spec))
-    if os.path.isdir(spec):
-        raise ValueError(
-            f"config: {spec!r} is a directory; pass a preset name, a .py file or a "
-            f"config.json (a run's is {os.path.join(spec, 'config.json')})"
-        )
-    raise ValueError(
-        f"config: unknown preset {spec!r}; expected one of {sorted(TRAINING_PRESETS)}, "
-        "a .py file with get_config() or a .json file"
-    )
-
-
-def _read_json_config(path: str) -> dict:
-    if os.path.isdir(path):
-        raise ValueError(f"config: {path!r} is a directory, not a config.json file")
-    if not os.path.isfile(path):
-        raise ValueError(f"config: file {path!r} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"config: {path} line {err.lineno} column {err.colno}: not valid JSON: {err.msg}"
-        ) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"config: cannot read {path}: {err}") from None
-    if not isinstance(d, dict):
-        raise ValueError(
-            f"config: {path} must hold a JSON object of config fields, got a JSON "
-            f"{type(d).__name__}"
-        )
-    return d
-
-
-def _python_config(path: str, arg: str | None) -> TrainConfig:
-    module = _run_config_file(path)
-    get_config = getattr(module, "get_config", None)
-    if not callable(get_config):
-        raise ValueError(
-            f"config: {path} defines no get_config(); define one returning {PY_CONFIG_RESULT}"
-        )
-    try:
-        config = get_config() if arg is None else get_config(arg)
-    except Exception as err:
-        raise _config_file_error(path, err) from None
-    if isinstance(config, TrainConfig):
-        return config
-    if isinstance(config, ConfigDict):
-        return TrainConfig.from_dict(config.to_dict())
-    raise ValueError(
-        f"config: {path}: get_config() returned {type(config).__name__}; expected "
-        f"{PY_CONFIG_RESULT}"
-    )
-
-
-def _run_config_file(path: str) -> types.ModuleType:
-    """The module of a config file, run; its errors name the file and line."""
-    if not os.path.isfile(path):
-        raise ValueError(f"config: file {path!r} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            code = compile(f.read(), path, "exec")
-    except SyntaxError as err:
-        raise ValueError(
-            f"config: {path} line {err.lineno}: {type(err).__name__}: {err.msg}"
-        ) from None
-    except (OSError, ValueError) as err:
-        raise ValueError(f"config: cannot read {path}: {err}") from None
-    module = types.ModuleType("bam_train_config")
-    module.__file__ = path
-    # Dataclasses defined in the file look their module up in sys.modules.
-    sys.modules[module.__name__] = module
-    try:
-        exec(code, module.__dict__)
-    except Exception as err:
-        raise _config_file_error(path, err) from None
-    return module
-
-
-def _config_file_error(path: str, err: Exception) -> ValueError:
-    """`err`, raised by the code of config file `path`, as one line naming the file's line."""
-    lines = [f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == path]
-    where = f"{path} line {lines[-1]}" if lines else path
-    return ValueError(f"config: {where}: {type(err).__name__}: {err}")
 
 
 def _config_spec(argv: list[str]) -> tuple[str, list[str]]:
@@ -273,6 +193,19 @@ def define_flags(
     flags.DEFINE_string(
         "compilation_cache", None, compilation_cache.FLAG_HELP, flag_values=flag_values
     )
+    flags.DEFINE_integer(
+        "peer_timeout",
+        DEFAULT_PEER_TIMEOUT_S,
+        "Multi-process runs: seconds after which a process whose heartbeats stopped counts as "
+        "lost; every other process then exits with status 75 (restart me).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_bool(
+        "debug",
+        False,
+        "Let through the tracebacks and the distributed runtime's logs that a lost peer causes.",
+        flag_values=flag_values,
+    )
     flags.DEFINE_enum(
         "cpu_collectives",
         "gloo",
@@ -334,6 +267,8 @@ def _check_process_flags(flag_values: flags.FlagValues) -> None:
         raise ValueError(f"--num_processes must be >= 1, got {n}")
     if not 0 <= i < n:
         raise ValueError(f"--process_id must be in [0, {n - 1}] for {n} processes, got {i}")
+    if flag_values.peer_timeout < 1:
+        raise ValueError(f"--peer_timeout must be >= 1 second, got {flag_values.peer_timeout}")
     if n > 1 and not flag_values.coordinator:
         raise ValueError(
             "--coordinator=HOST:PORT (process 0's address) is required with --num_processes > 1"
@@ -371,14 +306,22 @@ def initialize_distributed(flag_values: flags.FlagValues) -> None:
 
     if flag_values.cpu_collectives != "none":
         jax.config.update("jax_cpu_collectives_implementation", flag_values.cpu_collectives)
+    heartbeat = {"heartbeat_timeout_seconds": flag_values.peer_timeout}
     if mode == "cluster":
-        jax.distributed.initialize()
+        jax.distributed.initialize(**heartbeat)
         return
     jax.distributed.initialize(
         coordinator_address=flag_values.coordinator,
         num_processes=flag_values.num_processes,
         process_id=flag_values.process_id,
+        **heartbeat,
     )
+
+
+def _run_place(flag_values: flags.FlagValues, mode: str) -> RunPlace:
+    if mode != "explicit":
+        return RunPlace(flag_values.workdir)
+    return RunPlace(flag_values.workdir, flag_values.process_id, flag_values.num_processes)
 
 
 def run(argv: list[str]) -> int:
@@ -402,16 +345,22 @@ def run(argv: list[str]) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    mode = distributed_mode(flag_values, dict(os.environ))
+    if mode != "off" and CHILD_ENV not in os.environ:
+        return supervise(argv, _run_place(flag_values, mode), flag_values.debug)
     initialize_distributed(flag_values)
     quiet_orphaned_checkpoint_reads()
     quiet_full_disk_reports()
+    if mode != "off" and not flag_values.debug:
+        quiet_peer_failure_reports()
     log_to_stdout()
 
     try:
-        if flag_values.dry_run:
-            print(format_dry_run(dry_run(build(cfg))))
-            return 0
-        result = train(cfg, flag_values.workdir)
+        with _peer_failures_wait_for_the_runtime(mode, flag_values):
+            if flag_values.dry_run:
+                print(format_dry_run(dry_run(build(cfg))))
+                return 0
+            result = train(cfg, flag_values.workdir)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -438,6 +387,18 @@ def run(argv: list[str]) -> int:
         f"loss {result.last_loss}"
     )
     return 0
+
+
+@contextlib.contextmanager
+def _peer_failures_wait_for_the_runtime(mode: str, flag_values: flags.FlagValues):
+    """A multi-process run's error that a lost peer caused waits for the runtime to name
+    the peer (bam_train.peers) instead of being printed."""
+    try:
+        yield
+    except Exception as err:
+        if mode == "off" or not is_peer_failure(err):
+            raise
+        await_runtime_verdict(err, flag_values.peer_timeout, flag_values.debug)
 
 
 def _help() -> str:

@@ -13,13 +13,14 @@ from tests.support import REPO_ROOT
 REPO = REPO_ROOT
 
 
-def run_python(script: str) -> subprocess.CompletedProcess:
-    """Runs `script` in a fresh interpreter (with this process's kernel cache) and asserts it
-    exits cleanly: a crash fails the test instead of killing pytest."""
+def run_python(script: str, **env: str) -> subprocess.CompletedProcess:
+    """Runs `script` in a fresh interpreter (with this process's kernel cache and `env` added
+    to the environment) and asserts it exits cleanly: a crash fails the test instead of
+    killing pytest."""
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
         capture_output=True,
         text=True,
         check=False,

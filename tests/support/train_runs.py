@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -67,3 +68,45 @@ def signalled_run(
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=300)
     return proc.returncode, stdout, stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def start_two_processes(
+    workdir: str, steps: int, *extra: str, port: int | None = None
+) -> list[subprocess.Popen]:
+    """Both processes of a two-process micro run (one CPU device each, over gloo), logging
+    every step; their stdout and stderr are pipes."""
+    port = port or free_port()
+    env = {**subprocess_environment(), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    command = [
+        *micro_command(workdir, steps),
+        "--noconfig.progress_bar",
+        f"--coordinator=localhost:{port}",
+        "--num_processes=2",
+        *extra,
+    ]
+    return [
+        subprocess.Popen(
+            [*command, f"--process_id={i}"],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+def wait_for(condition, timeout_s: float = 300, every_s: float = 0.02) -> None:
+    """Polls `condition()` until it is true; a TimeoutError after `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while not condition():
+        if time.time() > deadline:
+            raise TimeoutError(f"not reached in {timeout_s} s")
+        time.sleep(every_s)
