@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from bam_jax.attention_inputs import checked_attention
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.blockwise import blockwise_attention
-from bam_jax.fused_attention import fused_attention
+from bam_jax.fused_attention import fused_attention, has_symbolic_shape
 from bam_jax.implementation import resolve_implementation
 from bam_jax.masking import log_visible_count, visibility_mask
 from bam_jax.priors import Prior
@@ -75,7 +75,8 @@ def dot_product_attention(
       query_offset: position of the first query (a KV cache's fill level when decoding).
 
     The implementation "auto" (the default) is `resolve_implementation`'s choice:
-    blockwise unless the fused kernel has been validated on this device kind.
+    blockwise unless the fused kernel has been validated on this device kind, and
+    blockwise for symbolic shapes (`jax.export`), which the fused kernel refuses.
     """
     spec = _spec_of(spec, spec_fields)
     query_BxTxHxD, key_BxSxKxD, value_BxSxKxD = (
@@ -85,11 +86,14 @@ def dot_product_attention(
         None if x is None else jnp.asarray(x)
         for x in (ssmax_scale_H, query_segment_ids_BxT, key_segment_ids_BxS)
     )
+    choice = spec.implementation
+    if choice == "auto" and has_symbolic_shape(query_BxTxHxD, key_BxSxKxD):
+        choice = "blockwise"  # the fused kernel needs concrete shapes
     implementation = {
         "reference": reference_attention,
         "blockwise": blockwise_attention,
         "fused": fused_attention,
-    }[resolve_implementation(spec.implementation)]
+    }[resolve_implementation(choice)]
     return implementation(
         query_BxTxHxD,
         key_BxSxKxD,

@@ -24,7 +24,10 @@ class AttentionSpec:
     """The static part of an attention call.
 
     causal: mask keys after the query.
-    window: with `causal`, each query sees only the `window` latest positions (None: all).
+    window: w keys back: with `causal`, each query sees the w keys before it and itself
+        (w + 1 positions, at most; 0: itself only), as jax.nn.dot_product_attention's
+        `local_window_size=(w, 0)`; without `causal`, also the w keys after it (its
+        `(w, w)`). None: no window.
     ssmax_prior_inside: with SSMax, whether the prior is scaled with the content logits
         (True) or added after the scaling (False).
     implementation: "auto", "reference", "blockwise" or "fused" ("pallas", its earlier

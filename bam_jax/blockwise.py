@@ -100,7 +100,8 @@ def blockwise_attention(
 ) -> jax.Array:
     """Same function as `reference_attention`, in memory linear in T and S.
 
-    Tiles: `spec.block_q` x `spec.block_k` (None: DEFAULT_BLOCK), capped at the lengths.
+    Tiles: `spec.block_q` x `spec.block_k` (None: DEFAULT_BLOCK), capped at the lengths
+    where these are known (a symbolic length of `jax.export` is padded to whole tiles).
     """
     block_k = spec.block_k or DEFAULT_BLOCK
     key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset = window_keys(
@@ -111,7 +112,7 @@ def blockwise_attention(
         q_len=query_BxTxHxD.shape[1],
         causal=spec.causal,
         window=spec.window,
-        block_k=min(block_k, key_BxSxKxD.shape[1]),
+        block_k=capped_block(block_k, key_BxSxKxD.shape[1]),
     )
     static = _static(
         spec.mask(key_BxSxKxD.shape[1]),
@@ -206,7 +207,7 @@ def window_keys(
     """
     kv_len = key_BxSxKxD.shape[1]
     unchanged = key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset
-    if window is None or not causal:
+    if window is None or not causal or not _all_known(kv_len, q_len):
         return unchanged
     length = _round_up(window + q_len + block_k - 1, block_k)
     if length >= kv_len:
@@ -220,7 +221,21 @@ def window_keys(
 
 
 def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    """n rounded up to a multiple; written so that for a symbolic n >= 1 (`jax.export`)
+    jax can tell the result holds at least one multiple."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _all_known(*sizes) -> bool:
+    """Whether every size is a number (not a symbolic dimension of `jax.export`)."""
+    return all(isinstance(size, int) for size in sizes)
+
+
+def capped_block(block: int, length) -> int:
+    """A tile size along an axis of `length`: `block`, lowered to the length where that is
+    known. A symbolic length (`jax.export` with shapes such as "b, t") keeps the whole
+    block, and the axis is padded to whole tiles."""
+    return min(block, length) if _all_known(length) else block
 
 
 def flash_backward(
@@ -260,12 +275,18 @@ def flash_backward(
     q_pad = static.q_len_padded - q_len
     out, d_out = (_pad_axis1(x, q_pad, 0) for x in (out_BxTxHxD, d_out_BxTxHxD))
     lse = jnp.pad(lse_BxHxT, ((0, 0), (0, 0), (0, q_pad)), constant_values=jnp.inf)
+    # Inside shard_map the tiles vary over every axis that any input does (batch and heads);
+    # the prior and the scales vary with the heads only, so they are cast to vary with the
+    # tiles inside their VJPs, whose transposes then sum their gradients over the batch.
+    padded, out, lse, d_out = vary_together((padded, out, lse, d_out))
     scale_KxG, scale_vjp, bias_table, table_vjp = None, None, None, None
     if ssmax_scale_H is not None:
-        scale_KxG, scale_vjp = jax.vjp(functools.partial(_scale_by_kv_head, static), ssmax_scale_H)
+        scale_KxG, scale_vjp = jax.vjp(
+            lambda s: vary_together(_scale_by_kv_head(static, s), padded), ssmax_scale_H
+        )
     if prior is not None:
         distances = _table_distances(static, padded.k.shape[1], padded.offset)
-        bias_table, table_vjp = jax.vjp(lambda p: p.bias(distances), prior)
+        bias_table, table_vjp = jax.vjp(lambda p: vary_together(p.bias(distances), padded), prior)
     dq, dk, dv, d_table, d_scale = _backward_per_row(
         static, (bias_table, scale_KxG, padded, out, lse), d_out
     )
@@ -284,12 +305,12 @@ def _static(
 ) -> _Static:
     q_len, num_heads = q_shape[1], q_shape[2]
     kv_len, num_kv_heads = k_shape[1], k_shape[2]
-    bq, bk = min(block_q, q_len), min(block_k, kv_len)
+    bq, bk = capped_block(block_q, q_len), capped_block(block_k, kv_len)
     return _Static(
         mask=mask,
         block_q=bq,
         block_k=bk,
-        q_len_padded=q_len + -q_len % bq,
+        q_len_padded=_round_up(q_len, bq),
         kv_heads=num_kv_heads,
         groups=num_heads // num_kv_heads,
         prior_inside=prior_inside,
@@ -309,7 +330,8 @@ def _pad_inputs(
     ssmax_max_count: int | jax.Array | None = None,
 ) -> _Padded:
     q_len = q.shape[1]
-    q_pad, kv_pad = static.q_len_padded - q_len, -k.shape[1] % static.block_k
+    q_pad = static.q_len_padded - q_len
+    kv_pad = _round_up(k.shape[1], static.block_k) - k.shape[1]
     offset = jnp.asarray(query_offset, jnp.int32)
     if q_seg is not None:
         q_seg = _pad_axis1(q_seg.astype(jnp.int32), q_pad, PADDING_SEGMENT)
@@ -334,7 +356,7 @@ def _scale_by_kv_head(static: _Static, ssmax_scale_H: jax.Array) -> jax.Array:
 
 
 def _pad_axis1(x: jax.Array, pad: int, value: int | float) -> jax.Array:
-    if not pad:
+    if _all_known(pad) and not pad:
         return x
     widths = [(0, 0)] * x.ndim
     widths[1] = (0, pad)

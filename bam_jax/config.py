@@ -6,11 +6,14 @@ import dataclasses
 import math
 from typing import Any
 
+import jax.numpy as jnp
+
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.implementation import canonical_implementation
 from bam_jax.priors import check_ggd_form
 from bam_jax.validation import (
     check_bool_fields,
+    check_int,
     check_positive_int,
     dataclass_from_dict,
     is_float32_number,
@@ -85,7 +88,8 @@ class Encoding:
 
     @property
     def windowed(self) -> bool:
-        """rope_local: every layer sees only the latest `local_window` keys."""
+        """rope_local: every layer sees only the `local_window` keys before each query and
+        the query itself."""
         return self.family == "rope_local"
 
     @property
@@ -123,11 +127,13 @@ class ModelConfig:
     layers, so they attend at any length as sharply as at the training context while the
     later layers scale with the prompt (0, the paper's model: no cap; docs/spec.md section 4);
     `local_layers` makes the first that many layers sliding-window (local) layers: each of
-    their queries sees only the latest `local_window` positions, at any prompt length (0: all
-    layers global, the paper's model);
-    `local_window` is the window of rope_local and of the local layers (None = max_seq_len,
-    as in the reference's rope_local);
-    `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below);
+    their queries sees only itself and the `local_window` positions before it, at any prompt
+    length (0: all layers global, the paper's model);
+    `local_window` is the window w of rope_local and of the local layers, in keys back from
+    the query: it sees w + 1 keys, as `AttentionSpec.window` (0: itself only; None =
+    max_seq_len, as in the reference's rope_local, which masks keys farther than that);
+    `dtype` the compute dtype of the matmuls ("bfloat16" is mixed precision, see below; a
+    dtype object such as `jnp.bfloat16` is stored as its name);
     `attention_impl` ("reference", "blockwise" or "fused"; "pallas" is fused's earlier
     name, stored as "fused"), `block_q`, `block_k` select the attention kernel and its tiles
     (None: the implementation's default, which for the fused kernel depends on the backend
@@ -184,7 +190,7 @@ class ModelConfig:
         if self.n_kv_heads is not None:
             check_positive_int("n_kv_heads", self.n_kv_heads)
         if self.local_window is not None:
-            check_positive_int("local_window", self.local_window)
+            check_int("local_window", self.local_window, 0)
         self._check_ssmax_capped_layers()
         self._check_local_layers()
         for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta", "sinusoidal_theta"):
@@ -202,8 +208,7 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
         implementation = canonical_implementation(
             self.attention_impl, field="attention_impl", allow_auto=False
         )
@@ -301,7 +306,8 @@ class ModelConfig:
 
     @property
     def window(self) -> int | None:
-        """Attention window of rope_local (keys farther than this are masked), else None."""
+        """Attention window of rope_local (keys farther back than this are masked; a query
+        sees window + 1 keys), else None."""
         return self._window_size if self.positional.windowed else None
 
     @property
@@ -367,6 +373,22 @@ class ModelConfig:
         """The config of a mapping such as a run's config.json "model" section
         (`bam_jax.validation.dataclass_from_dict`: errors name the key path)."""
         return dataclass_from_dict(cls, d, path)
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name in DTYPES of a compute dtype given as a name ("bfloat16") or a dtype object
+    (`jnp.bfloat16`, `np.dtype("float32")`); a ValueError for any other."""
+    name = dtype
+    if not isinstance(dtype, str):
+        try:
+            name = jnp.dtype(dtype).name
+        except TypeError:
+            name = None
+    if name not in DTYPES:
+        raise ValueError(
+            f"dtype must be one of {DTYPES} (a name or a dtype such as jnp.bfloat16), got {dtype!r}"
+        )
+    return name
 
 
 def _check_init(name: str, value: Any, modes: tuple[str, ...], *, positive: bool) -> None:

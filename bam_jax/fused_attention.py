@@ -82,6 +82,7 @@ from bam_jax.kernels.tile_math import (
 from bam_jax.kernels.tpu import tpu_forward
 from bam_jax.masking import log_visible_count
 from bam_jax.priors import AlibiPrior, GGDPrior, Prior, ggd_mu
+from bam_jax.pytrees import vary_together
 
 Backward = Literal["fused", "blockwise"]
 # The fused backward's operands (q, k, v, head params, log_n, q segments, k segments,
@@ -147,9 +148,10 @@ def fused_attention(
         CPU and for priors other than GGD and ALiBi (whose parameter gradients the fused
         kernels compute in-kernel).
     """
+    fused = _resolve_backend(backend, interpret)
+    _check_concrete_shapes(fused, query_BxTxHxD, key_BxSxKxD)
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
     kv_len, num_kv_heads = key_BxSxKxD.shape[1], key_BxSxKxD.shape[2]
-    fused = _resolve_backend(backend, interpret)
     block_q, block_k = fused.choose_blocks(
         interpret, head_dim, q_len, kv_len, spec.block_q, spec.block_k
     )
@@ -241,6 +243,25 @@ def _resolve_backend(backend: Backend | None, interpret: bool) -> FusedBackend:
     return fused
 
 
+def has_symbolic_shape(*arrays: jax.Array) -> bool:
+    """Whether a dimension of the arrays is symbolic (`jax.export` with shapes such as
+    "b, t"), not a number."""
+    return any(not isinstance(size, int) for x in arrays for size in x.shape)
+
+
+def _check_concrete_shapes(fused: FusedBackend, q: jax.Array, k: jax.Array) -> None:
+    if has_symbolic_shape(q, k):
+        raise ValueError(
+            f"the fused attention kernel ({fused.name!r} backend) needs concrete shapes and got "
+            f"query {q.shape}, key {k.shape}: it cannot be exported with symbolic dimensions "
+            "(jax.export's shape polymorphism): its tiles and grid are chosen from the lengths "
+            "when it is traced, Pallas' Triton lowering takes no symbolic grid, and the native "
+            "CPU kernel is a custom call that jax.export does not serialise; export "
+            "implementation='blockwise', which computes the same function for any batch and "
+            "length"
+        )
+
+
 def _resolve_backward(fused: FusedBackend, backward: Backward | None, prior_kind: str) -> Backward:
     if backward is None:
         return "fused" if fused.fused_backward and prior_kind != "other" else "blockwise"
@@ -301,7 +322,17 @@ def _head_param_columns(
 
 
 def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs):
-    """Output [B, T, H, D] and log-sum-exp [B, H, T] (natural log, +inf for empty rows)."""
+    """Output [B, T, H, D] and log-sum-exp [B, H, T] (natural log, +inf for empty rows).
+
+    Inside `jax.shard_map` a kernel's results are typed as varying over no mesh axis,
+    whatever its operands vary over; they are cast to vary as their operands do, since
+    each device computed its own (an output typed invariant would have its cotangent
+    summed over the devices)."""
+    out, lse = _kernel_forward(config, q, k, v, prior, ssmax_scale_H, aux)
+    return vary_together((out, lse), q, k, v, aux)
+
+
+def _kernel_forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs):
     head_params = _head_params(config, prior, ssmax_scale_H, q.shape[2])
     if not FUSED_BACKENDS[config.backend].pallas:
         out, lse = cpu_forward(
@@ -409,9 +440,13 @@ def _fused_backward(config: KernelConfig, residuals, d_out):
     q, k, v, prior, ssmax_scale_H, aux, out, lse = residuals
     # The kernels recompute the prior per element even where the forward read its table.
     config = dataclasses.replace(config, prior_table=False)
-    head_params, params_vjp = jax.vjp(
-        functools.partial(_head_param_columns, config, num_heads=q.shape[2]), prior, ssmax_scale_H
-    )
+
+    def columns(prior, ssmax_scale_H):
+        # Cast to vary with the rows, so that the VJP sums the gradient over batch shards.
+        head_params = _head_param_columns(config, prior, ssmax_scale_H, q.shape[2])
+        return vary_together(head_params, q, k, v)
+
+    head_params, params_vjp = jax.vjp(columns, prior, ssmax_scale_H)
     f32, i32 = jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.int32)
     optional = (aux.log_n_BxT, aux.q_seg_BxT, aux.k_seg_BxS)
     placeholders = (f32, i32, i32)
@@ -421,9 +456,8 @@ def _fused_backward(config: KernelConfig, residuals, d_out):
         BACKWARD_OPERAND_ROLES,
         BACKWARD_RESULT_ROLES,
     )
-    dq, dk, dv, d_head_params_BxHxP = backward(
-        q, k, v, head_params, *rows, aux.offset_1, out, lse, d_out
-    )
+    grads = backward(q, k, v, head_params, *rows, aux.offset_1, out, lse, d_out)
+    dq, dk, dv, d_head_params_BxHxP = vary_together(grads, q, k, v)  # as in `_forward`
     d_prior, d_scale = params_vjp(jnp.sum(d_head_params_BxHxP, axis=0))
     return dq, dk, dv, d_prior, d_scale
 

@@ -43,7 +43,6 @@ from flax import nnx
 
 from bam_jax.config import ModelConfig
 from bam_jax.kv_cache import KVCache
-from bam_jax.model import Transformer
 
 CacheFactory = Callable[[int, int], Any]
 
@@ -130,9 +129,11 @@ class ChunkStats:
 class ChunkedForward:
     """Runs a cached model over sequences of any length, one fixed-size chunk per jitted call.
 
-    ``model(tokens_BxC, cache=cache) -> (logits_BxCxV, cache)`` is the cached forward;
-    ``cache_factory(batch, capacity)`` makes an empty cache for it (default: `init_cache`
-    with the model's config).
+    ``model(tokens_BxC, cache=cache) -> (logits_BxCxV, cache)`` is the cached forward (an
+    NNX module; a Linen one through `flax.nnx.bridge.ToNNX`); ``cache_factory(batch,
+    capacity)`` makes an empty cache for it. Without one, a model with a `ModelConfig` as
+    its `config` gets `init_cache`; any other model needs a factory for the helpers that
+    make their own cache (`logits_at`, `next_token_loss`), while `run` takes a cache.
     """
 
     def __init__(
@@ -140,11 +141,17 @@ class ChunkedForward:
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        _check_module(model)
         self.chunk_size = chunk_size
-        self.cache_factory = cache_factory or functools.partial(init_cache, model.config)
+        # The model's own factory is looked up only when a cache is made without one given.
+        self._cache_factory = cache_factory or functools.partial(model_cache_factory, model)
         self.min_capacity = 0
         self.stats = ChunkStats()
         self.graphdef, self.state = nnx.split(model)
+
+    def cache_factory(self, batch: int, capacity: int) -> Any:
+        """An empty cache of `capacity` slots for `batch` rows, each buffer its own."""
+        return unaliased(self._cache_factory(batch, capacity))
 
     def capacity_for(self, n_tokens: int) -> int:
         """Cache slots the scoring helpers use for a sequence of ``n_tokens``."""
@@ -176,6 +183,7 @@ class ChunkedForward:
         if positions_BxP.min() < 0 or positions_BxP.max() >= np.shape(tokens_BxT)[1]:
             raise ValueError("positions_BxP must lie inside the sequences")
         chunks = self._padded_chunks(tokens_BxT)
+        cache = unaliased(cache)
         wanted_chunks = set((positions_BxP // self.chunk_size).ravel().tolist())
         out_BxPxV = None
         for i, chunk_BxC in enumerate(chunks):
@@ -233,8 +241,87 @@ class ChunkedForward:
         return max(int(s.compile().memory_analysis().temp_size_in_bytes) for s in steps)
 
 
-def _check_room(cache: KVCache, needed: int) -> None:
-    length = int(cache.length)
+def model_cache_factory(model: Any, batch: int, capacity: int) -> KVCache:
+    """`init_cache` with the model's config, for a model that has a `ModelConfig` as its
+    `config`; a TypeError saying what to pass for any other."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig):
+        raise TypeError(
+            f"{type(model).__name__} has no bam_jax ModelConfig as its `config` to size a cache "
+            "from: pass cache_factory=(batch, capacity) -> an empty cache of its own, or a cache"
+        )
+    return init_cache(config, batch, capacity)
+
+
+def _check_module(model: Any) -> None:
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"the model must be a flax.nnx.Module whose model(tokens_BxC, cache=cache) returns "
+            f"(logits [B, C, V], the advanced cache), got {type(model).__name__}; wrap a Linen "
+            "module in flax.nnx.bridge.ToNNX"
+        )
+
+
+def unaliased(cache: Any) -> Any:
+    """`cache` with every array that shares its buffer with an earlier leaf replaced by a
+    copy: a jitted step that donates the cache may donate each buffer only once (a cache
+    built as `(jnp.zeros(shape),) * n_layers` holds one buffer n_layers times)."""
+    seen: set[Any] = set()
+
+    def own_buffer(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        keys = _buffer_keys(x)
+        shared = not keys.isdisjoint(seen)
+        seen.update(keys)
+        return jnp.copy(x) if shared else x
+
+    return jax.tree.map(own_buffer, cache)
+
+
+def _buffer_keys(x: jax.Array) -> set[Any]:
+    """What identifies the buffers of an array: the array itself, and the address of each
+    shard where jax can tell it."""
+    keys: set[Any] = {id(x)}
+    with contextlib.suppress(Exception):  # deleted, abstract or not addressable here
+        keys.update(shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards)
+    return keys
+
+
+def _check_eager(*values: Any) -> None:
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values)):
+        raise TypeError(
+            "prefill and generate run eagerly by design: they loop over chunks in Python and "
+            "call their own compiled steps, so they cannot be traced by jax.jit or nnx.jit. "
+            "Call them outside jit; the jit-able pieces are decode_step and the model's own "
+            "cached forward"
+        )
+
+
+def _cache_length(cache: Any) -> int:
+    if not hasattr(cache, "length") or not hasattr(cache, "capacity"):
+        raise TypeError(
+            f"the cache must have `length` (filled slots) and `capacity` (all slots), as "
+            f"bam_jax.KVCache has; got {type(cache).__name__}"
+        )
+    return int(cache.length)
+
+
+def _with_length(cache: Any, length: jax.Array) -> Any:
+    """The cache with its `length` replaced (flax.struct and other dataclasses)."""
+    if hasattr(cache, "replace"):
+        return cache.replace(length=length)
+    if dataclasses.is_dataclass(cache):
+        return dataclasses.replace(cache, length=length)
+    raise TypeError(
+        f"prefill sets the cache's length after the padded last chunk: the cache must be a "
+        f"dataclass or have replace(length=...), as bam_jax.KVCache has; got "
+        f"{type(cache).__name__}"
+    )
+
+
+def _check_room(cache: Any, needed: int) -> None:
+    length = _cache_length(cache)
     if length + needed > cache.capacity:
         raise ValueError(
             f"cache capacity {cache.capacity} is too small: {length} slots are filled and "
@@ -243,15 +330,16 @@ def _check_room(cache: KVCache, needed: int) -> None:
 
 
 def _last_position_logits(
-    model: Transformer, tokens_BxT: jax.Array, cache: KVCache, chunk_size: int
-) -> tuple[jax.Array, KVCache]:
+    model: nnx.Module, tokens_BxT: jax.Array, cache: Any, chunk_size: int
+) -> tuple[jax.Array, Any]:
     """Logits [B, V] after the last token and the cache holding exactly the tokens."""
     tokens_BxT = np.asarray(tokens_BxT, np.int32)
     if tokens_BxT.ndim != 2 or tokens_BxT.shape[1] < 1:
         raise ValueError(f"tokens_BxT must be [batch, length >= 1], got {tokens_BxT.shape}")
     batch, length = tokens_BxT.shape
-    if batch != cache.batch_size:
-        raise ValueError(f"batch {batch} differs from the cache's {cache.batch_size}")
+    cache_batch = getattr(cache, "batch_size", batch)
+    if batch != cache_batch:
+        raise ValueError(f"batch {batch} differs from the cache's {cache_batch}")
     _check_room(cache, math.ceil(length / chunk_size) * chunk_size)
     filled = cache.length + length
     last_Bx1 = np.full((batch, 1), length - 1, np.int32)
@@ -260,26 +348,30 @@ def _last_position_logits(
     )
     # The padded slots of the last chunk are not part of the sequence: later tokens
     # overwrite them.
-    return jnp.asarray(logits_Bx1xV[:, 0]), cache.replace(length=filled)
+    return jnp.asarray(logits_Bx1xV[:, 0]), _with_length(cache, filled)
 
 
 def prefill(
-    model: Transformer, tokens_BxT: jax.Array, cache: KVCache, *, chunk_size: int = 512
-) -> tuple[jax.Array, KVCache]:
+    model: nnx.Module, tokens_BxT: jax.Array, cache: Any, *, chunk_size: int = 512
+) -> tuple[jax.Array, Any]:
     """Runs the prompt through the model in chunks; returns the last position's logits.
 
+    Any NNX module whose `model(tokens_BxC, cache=cache)` returns (logits [B, C, V], the
+    cache advanced by C) can be passed, with a cache that has `length`, `capacity` and
+    `replace(length=...)` (a flax.struct dataclass such as `KVCache`, or any dataclass).
     The final chunk is padded to `chunk_size`, so the cache needs room for the prompt
     rounded up to a multiple of `chunk_size` (the padded slots are overwritten later).
-    The cache passed in is donated (its buffers are updated in place): use the returned one.
+    The cache passed in is donated (its buffers are updated in place): use the returned one;
+    a buffer that appears in it twice is copied first. Prefill runs eagerly by design (a
+    Python loop over compiled chunk steps): call it outside jit.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _check_eager(tokens_BxT, cache)
     return _last_position_logits(model, tokens_BxT, cache, chunk_size)
 
 
-def decode_step(
-    model: Transformer, tokens_Bx1: jax.Array, cache: KVCache
-) -> tuple[jax.Array, KVCache]:
+def decode_step(model: nnx.Module, tokens_Bx1: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
     """Appends one token per row; returns its next-token logits [B, V] (float32) and the
     new cache. Jit-able (`nnx.jit(decode_step)`, or inside a user's own jitted loop); the
     cache's room is checked only where its length is known, outside a trace. Any model
@@ -294,7 +386,7 @@ def decode_step(
 
 
 @nnx.jit
-def _decode(model: Transformer, tokens_Bx1: jax.Array, cache: KVCache) -> tuple[jax.Array, Any]:
+def _decode(model: nnx.Module, tokens_Bx1: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
     logits_Bx1xV, cache = model(tokens_Bx1, cache=cache)
     return logits_Bx1xV[:, 0].astype(jnp.float32), cache
 
@@ -313,7 +405,7 @@ def _decode_loop(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     logits_BxV: jax.Array,
-    cache: KVCache,
+    cache: Any,
     key: jax.Array,
     temperature: jax.Array | None,
     *,
@@ -321,29 +413,34 @@ def _decode_loop(
 ) -> jax.Array:
     """Decodes `max_new_tokens` tokens; `temperature` is None for greedy decoding, else a
     float32 scalar, so every temperature shares one program."""
-    model = nnx.merge(graphdef, state)
     batch = logits_BxV.shape[0]
 
     def body(i, carry):
-        logits_BxV, cache, out_BxT = carry
+        # The model is merged inside the loop and its state carried: a model that updates
+        # a variable when called (the RNG counts of a Linen model under nnx.bridge.ToNNX)
+        # may only do so at the loop's own trace level.
+        logits_BxV, cache, out_BxT, state = carry
+        model = nnx.merge(graphdef, state)
         token_B = sample_token(logits_BxV, jax.random.fold_in(key, i), temperature)
         out_BxT = out_BxT.at[:, i].set(token_B)
         logits_Bx1xV, cache = model(token_B[:, None], cache=cache)
-        return logits_Bx1xV[:, 0], cache, out_BxT
+        return logits_Bx1xV[:, 0], cache, out_BxT, nnx.state(model)
 
     out_BxT = jnp.zeros((batch, max_new_tokens), jnp.int32)
-    _, _, out_BxT = jax.lax.fori_loop(0, max_new_tokens, body, (logits_BxV, cache, out_BxT))
-    return out_BxT
+    carry = (logits_BxV, cache, out_BxT, state)
+    return jax.lax.fori_loop(0, max_new_tokens, body, carry)[2]
 
 
 def generate(
-    model: Transformer,
+    model: nnx.Module,
     prompt_BxT: jax.Array,
     *,
     max_new_tokens: int,
     temperature: float = 0.0,
     key: jax.Array | None = None,
     chunk_size: int = 512,
+    cache: Any | None = None,
+    cache_factory: CacheFactory | None = None,
 ) -> jax.Array:
     """Continues every prompt by `max_new_tokens` tokens; returns only the new ones, [B, T]
     with T = max_new_tokens.
@@ -351,6 +448,10 @@ def generate(
     temperature 0 is greedy decoding; otherwise tokens are sampled (a `key` is required).
     The prompt is prefilled in chunks, then a compiled loop decodes one token at a time; the
     loop is compiled once for greedy decoding and once for sampling at any temperature.
+
+    The model is any that `prefill` takes. Its cache is `cache` (empty, with room for the
+    prompt rounded up to whole chunks plus `max_new_tokens`; it is donated), else
+    `cache_factory(batch, capacity)`, else `init_cache` of a model with a `ModelConfig`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -358,12 +459,18 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature > 0 and key is None:
         raise ValueError("key is required when temperature > 0")
+    if cache is not None and cache_factory is not None:
+        raise ValueError("generate takes a cache or a cache_factory, not both")
+    _check_eager(prompt_BxT, cache)
+    _check_module(model)
     key = jax.random.key(0) if key is None else key
     prompt_BxT = jnp.asarray(prompt_BxT, jnp.int32)
     batch, length = prompt_BxT.shape
     chunk_size = min(chunk_size, length)
     capacity = math.ceil(length / chunk_size) * chunk_size + max_new_tokens
-    cache = init_cache(model.config, batch, capacity)
+    if cache is None:
+        cache = (cache_factory or functools.partial(model_cache_factory, model))(batch, capacity)
+    _check_room(cache, capacity)
     logits_BxV, cache = prefill(model, prompt_BxT, cache, chunk_size=chunk_size)
     graphdef, state = nnx.split(model)
     return _decode_loop(

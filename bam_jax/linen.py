@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx, traverse_util
 from flax.nnx import bridge, variablelib
 
+from bam_jax.attention_spec import AttentionSpec
 from bam_jax.config import ModelConfig
 from bam_jax.model import Attention, PriorParam, SSMaxParam, Transformer
 from bam_jax.param_groups import parameter_group
@@ -35,11 +36,20 @@ TRAINABLE_COLLECTIONS = {
 }
 
 
-def linen_attention(config: ModelConfig, *, name: str | None = None) -> nn.Module:
-    """The attention module as a Linen module: `__call__(x_BxTxE, segment_ids_BxT=None)`.
+def linen_attention(
+    config: ModelConfig,
+    *,
+    spec: AttentionSpec | None = None,
+    layer: int = 0,
+    name: str | None = None,
+) -> nn.Module:
+    """The attention module as a Linen module: `__call__(x_BxTxE, segment_ids_BxT=None)`,
+    and `(x_BxTxE, kv=(keys, values), cache_length=n)` for cached decoding, as `Attention`.
 
-    One attention layer owns its prior, so a BAM config must have `global_prior=False`
-    (a global prior belongs to the Transformer, which passes it to every layer).
+    `spec` is the layer's `AttentionSpec` (None: `config.attention_spec(layer)`), so a
+    layer can be local, bidirectional or use another implementation. One attention layer
+    owns its prior, so a BAM config must have `global_prior=False` (a global prior belongs
+    to the Transformer, which passes it to every layer).
     """
     if config.shared_prior:
         raise ValueError(
@@ -47,7 +57,7 @@ def linen_attention(config: ModelConfig, *, name: str | None = None) -> nn.Modul
             "config.replace(global_prior=False), or use linen_transformer for a model whose "
             "layers share one prior"
         )
-    return bridge.to_linen(Attention, config, name=name)
+    return bridge.to_linen(Attention, config, layer=layer, spec=spec, name=name)
 
 
 def linen_transformer(config: ModelConfig, *, name: str | None = None) -> nn.Module:

@@ -5,7 +5,9 @@ may see the key at position s when
 
 - s < kv_len (tiles padded past the last key see nothing there);
 - causal: s <= q;
-- window w: q - w <= s, and without causality also s <= q + w;
+- window w: q - w <= s, and without causality also s <= q + w (a causal window of w sees
+  the w keys before the query and the query itself, w + 1 keys: jax's
+  `local_window_size=(w, 0)`; a window of 0 sees the query's own key only);
 - segment ids are given: the key has the query's id, and that id is not negative
   (negative ids mark padding, never attended to and never counted by SSMax).
 
@@ -155,8 +157,11 @@ def _segment_count_le(k_seg_S: jax.Array, q_seg_T: jax.Array, limit_T: jax.Array
     kv_len = k_seg_S.shape[0]
     order_S = jnp.argsort(k_seg_S, stable=True).astype(jnp.int32)
     sorted_seg_S = k_seg_S[order_S]
-    start_T = jnp.searchsorted(sorted_seg_S, q_seg_T, side="left").astype(jnp.int32)
-    end_T = jnp.searchsorted(sorted_seg_S, q_seg_T, side="right").astype(jnp.int32)
+    # jnp.searchsorted needs a known length; a symbolic one (`jax.export`) is searched here.
+    known = isinstance(kv_len, int)
+    search = jnp.searchsorted if known else _search_sorted
+    start_T = search(sorted_seg_S, q_seg_T, side="left").astype(jnp.int32)
+    end_T = search(sorted_seg_S, q_seg_T, side="right").astype(jnp.int32)
 
     def step(_, bounds):
         low, high = bounds
@@ -167,9 +172,33 @@ def _segment_count_le(k_seg_S: jax.Array, q_seg_T: jax.Array, limit_T: jax.Array
         high = jnp.where(active & ~go_right, mid, high)
         return low, high
 
-    steps = max(1, math.ceil(math.log2(kv_len + 1)))
+    steps = _search_steps(kv_len)
     low, _ = lax.fori_loop(0, steps, step, (start_T, end_T))
     return low - start_T
+
+
+def _search_steps(length) -> int:
+    """Halvings a binary search over `length` entries needs; for a symbolic length
+    (`jax.export`), those of the longest int32-indexed array."""
+    return max(1, math.ceil(math.log2(length + 1))) if isinstance(length, int) else 32
+
+
+def _search_sorted(sorted_S: jax.Array, values_T: jax.Array, side: str) -> jax.Array:
+    """`jnp.searchsorted(sorted_S, values_T, side=side)` for an array of any length, a
+    symbolic one included, by a binary search of fixed steps."""
+    size = sorted_S.shape[0]
+    low_T = jnp.zeros(values_T.shape, jnp.int32)
+    high_T = jnp.full(values_T.shape, size, jnp.int32)
+
+    def step(_, bounds):
+        low, high = bounds
+        mid = (low + high) // 2
+        entry = sorted_S[jnp.clip(mid, 0, size - 1)]
+        go_right = (entry < values_T) if side == "left" else (entry <= values_T)
+        active = low < high
+        return jnp.where(active & go_right, mid + 1, low), jnp.where(active & ~go_right, mid, high)
+
+    return lax.fori_loop(0, _search_steps(size), step, (low_T, high_T))[0]
 
 
 def log_visible_count(

@@ -175,6 +175,11 @@ class Attention(nnx.Module):
     finished inputs (`layer_inputs`: the prior, global or the layer's own, and the SSMax
     scale, both as training varies them). `spec` is the layer's `AttentionSpec` (None:
     `config.attention_spec(layer)`, which gives layer `layer` its window).
+
+    Precision: the projections multiply in `config.dtype`; the prior, SSMax and softmax are
+    float32, and wo accumulates in float32. The output is returned in `result_dtype`, by
+    default the input's dtype (bfloat16 in, bfloat16 out, so a bfloat16 residual stream
+    stays bfloat16); the Transformer's blocks take float32, for their float32 residual.
     """
 
     def __init__(
@@ -184,9 +189,11 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         layer: int = 0,
         spec: AttentionSpec | None = None,
+        result_dtype: Any = None,
     ):
         self.config = config
         self.spec = config.attention_spec(layer) if spec is None else spec
+        self.result_dtype = None if result_dtype is None else jnp.dtype(result_dtype)
         q_dim, kv_dim = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
         self.wq = _linear(config.dim, q_dim, ("embed", "q_heads"), config, rngs)
         self.wk = _linear(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
@@ -221,6 +228,13 @@ class Attention(nnx.Module):
         prior's initialisation and trainability, `train_ssmax_scale`, `rope_theta`,
         `dtype`)."""
         unknown = sorted(set(fields) - set(ATTENTION_FIELDS))
+        spec_fields = [name for name in unknown if name in AttentionSpec.__dataclass_fields__]
+        if spec_fields:
+            example = ", ".join(f"{name}={fields[name]!r}" for name in spec_fields)
+            raise TypeError(
+                f"Attention.of_spec got {spec_fields}, which are fields of the layer's "
+                f"AttentionSpec: pass spec=bam_jax.AttentionSpec({example})"
+            )
         if unknown:
             raise TypeError(
                 f"Attention.of_spec got {unknown}, which an attention layer does not read; "
@@ -306,6 +320,7 @@ class Attention(nnx.Module):
             query_offset=offset,
         )
         out_BxTxE = self.wo(out_BxTxHxD.reshape(batch, length, cfg.n_heads * cfg.head_dim))
+        out_BxTxE = out_BxTxE.astype(self.result_dtype or x_BxTxE.dtype)
         return out_BxTxE if kv is None else (out_BxTxE, (keys, values))
 
     def _ssmax_scale(self, factor: float | jax.Array | None) -> jax.Array | None:
@@ -381,7 +396,7 @@ class TransformerBlock(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         dtype = jnp.dtype(config.dtype)
-        self.attention = Attention(config, rngs=rngs, layer=layer)
+        self.attention = Attention(config, rngs=rngs, layer=layer, result_dtype=jnp.float32)
         self.feed_forward = FeedForward(config, rngs=rngs)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps, dtype)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, dtype)

@@ -1,10 +1,12 @@
 """Registers bam_jax's pytree classes for `jax.export` serialisation, so a function that
 takes or returns a prior, a KV cache or layer factors exports, serialises and reloads in a
 process that has imported bam_jax. (`jax.export` serialisation itself needs the
-`flatbuffers` package.) Also: `vary_together`, for code that runs inside `jax.shard_map`."""
+`flatbuffers` package.) Also: `vary_together` and `varying_results`, for code that runs
+inside `jax.shard_map`."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any, TypeVar
 
@@ -71,3 +73,27 @@ def _cast_to_varying(x: jax.Array, axes: tuple) -> jax.Array:
     if hasattr(lax, "pcast"):
         return lax.pcast(x, axes, to="varying")
     return lax.pvary(x, axes)
+
+
+# A result shape's field that says how it varies over mesh axes, and the aval attribute it
+# is read from: its name in recent jax, then in earlier jax.
+_VARYING_FIELDS = {"manual_axis_type": "mat", "vma": "vma"}
+
+
+def varying_results(
+    shapes: list[jax.ShapeDtypeStruct], inputs: PyTree
+) -> list[jax.ShapeDtypeStruct]:
+    """A Pallas kernel's result shapes, typed to vary over every mesh axis that an input
+    varies over. Inside `jax.shard_map` (with its default `check_vma=True`) `pallas_call`
+    refuses results that do not say how they vary, and each device computes its own;
+    outside it nothing varies."""
+    arrays = [x for x in jax.tree.leaves(inputs) if isinstance(x, jax.Array)]
+    if not arrays:
+        return shapes
+    union = jax.typeof(vary_together(arrays[0], arrays))
+    accepted = inspect.signature(jax.ShapeDtypeStruct).parameters
+    for field, attribute in _VARYING_FIELDS.items():
+        if field in accepted and hasattr(union, attribute):
+            varying = {field: getattr(union, attribute)}
+            return [jax.ShapeDtypeStruct(s.shape, s.dtype, **varying) for s in shapes]
+    return shapes

@@ -99,23 +99,21 @@ def tiny() -> TrainConfig:
 def quickstart() -> TrainConfig:
     """The laptop quick start (`bam-quickstart`): bam_ssmax at context 128, passkey data.
 
-    Each layer has its own prior, starting with ALiBi slopes and shapes spread over [0, 1]
-    (local and flat heads) and learning ten times faster than the weights, so local and
-    retrieval heads separate within the short run. The first layer is a local layer: each
-    query sees the latest 16 tokens (`local_layers=1, local_window=16`), so at 500x it reads
-    the preceding tokens exactly as in training, and none of its heads can average over the
-    whole prompt, a signal that changes with length and that the retrieval head of the
-    second layer, which copies the key digit by digit, misreads. Next-token loss on 16 random
-    prompt positions per row, besides the answer digits, trains the first layer's local heads
-    to read the preceding tokens. The vocabulary is Mistral's cut down to the passkey
-    strings' tokens, which halves the step time against the full 32768-way output layer.
-    SSMax jitter 0.75 trains the second layer's SSMax at a scale drawn from [0.25, 1] of its
-    own at each step, so its retrieval heads learn the margins that hold when SSMax sharpens
-    them by log(n) at 500x, and prior dilation 500 evaluates its priors at up to 500 times
-    every distance, so it cannot lean on a head that reaches the needle only in short
-    prompts (docs/spec.md section 4). Blockwise attention in 64 x 64 tiles
-    skips the tiles above the causal diagonal (docs/benchmarks.md times the step against
-    the reference attention).
+    Each layer has its own prior, starting with ALiBi slopes and shapes spread over [0, 1] (local
+    and flat heads) and learning ten times faster than the weights, so local and retrieval heads
+    separate within the short run. The first layer is a local layer: each query sees itself and the
+    16 tokens before it (`local_layers=1, local_window=16`), so at 500x it reads the preceding
+    tokens exactly as in training, and none of its heads can average over the whole prompt, a signal
+    that changes with length and that the retrieval head of the second layer, which copies the key
+    digit by digit, misreads. Next-token loss on 16 random prompt positions per row, besides the
+    answer digits, trains the first layer's local heads to read the preceding tokens. The vocabulary
+    is Mistral's cut down to the passkey strings' tokens, which halves the step time against the
+    full 32768-way output layer. SSMax jitter 0.75 trains the second layer's SSMax at a scale drawn
+    from [0.25, 1] of its own at each step, so its retrieval heads learn the margins that hold when
+    SSMax sharpens them by log(n) at 500x, and prior dilation 500 evaluates its priors at up to 500
+    times every distance, so it cannot lean on a head that reaches the needle only in short prompts
+    (docs/spec.md section 4). Blockwise attention in 64 x 64 tiles skips the tiles above the causal
+    diagonal (docs/benchmarks.md times the step against the reference attention).
     """
     return TrainConfig(
         model=ModelConfig.of_size(

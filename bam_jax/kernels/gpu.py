@@ -32,6 +32,7 @@ from bam_jax.kernels.tile_math import (
     row_coefficients,
     tile_logits_log2,
 )
+from bam_jax.pytrees import varying_results
 
 
 def _ptx_unary(instruction: str) -> Callable[[jax.Array], jax.Array]:
@@ -239,7 +240,7 @@ def gpu_forward(
         grid=(num_q_blocks, batch, num_heads),
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=_out_shapes(q),
+        out_shape=varying_results(_out_shapes(q), inputs),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps or defaults.num_warps,
             num_stages=config.num_stages or defaults.num_stages,

@@ -53,6 +53,7 @@ from bam_jax.kernels.tile_math import (
     tile_logits_log2,
 )
 from bam_jax.priors import GGD_EPS, GGD_MAX_LOG2_MAGNITUDE
+from bam_jax.pytrees import varying_results
 
 _NT = (((1,), (1,)), ((), ()))  # x @ y^T
 _NN = (((1,), (0,)), ((), ()))  # x @ y
@@ -565,7 +566,7 @@ def _call(config: KernelConfig, kernel, name: str, grid, inputs, specs, out_spec
         grid=grid,
         in_specs=[s for _, s in present],
         out_specs=out_specs,
-        out_shape=out_shapes,
+        out_shape=varying_results(out_shapes, [x for x, _ in present]),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps or (4 if d_pad <= 64 else 8),
             num_stages=config.num_stages or 2,

@@ -39,6 +39,7 @@ from bam_jax.kernels.tile_math import (
     row_coefficients,
     tile_logits_log2,
 )
+from bam_jax.pytrees import varying_results
 
 TPU_KEY_CHUNK = 256
 TPU_LANES = 128
@@ -187,7 +188,7 @@ def tpu_forward(
     out_BxHxTxD, lse = pl.pallas_call(
         functools.partial(_kernel, config),
         grid_spec=grid_spec,
-        out_shape=out_shape,
+        out_shape=varying_results(out_shape, [offset, *inputs]),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),

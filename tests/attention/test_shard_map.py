@@ -1,8 +1,10 @@
 """Attention inside `jax.shard_map` as a user writes it: the default `check_vma=True`, q, k, v
 and the segment ids split over a 2 x 2 mesh by batch and heads, the prior and the SSMax
-scales by heads. Values and gradients (q, k, v, prior, SSMax scales) match the reference
-on the whole arrays. Run in a subprocess on 4 fake CPU devices (the device count is fixed
-when jax starts)."""
+scales by heads. Values and gradients match the reference on the whole arrays, for every
+argument at once and for subsets (only the prior and the SSMax scales with q, k and v
+closed over; only v), for blockwise attention, the native CPU kernel and the TPU Pallas
+kernel in interpret mode. 72 queries: the native CPU kernel runs on 64 queries or more. Run
+in a subprocess on 4 fake CPU devices (the device count is fixed when jax starts)."""
 
 from __future__ import annotations
 
@@ -17,14 +19,15 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 import bam_jax
+from bam_jax.fused_attention import fused_attention
 from bam_jax.priors import AlibiPrior, GGDPrior
 
 mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 rng = np.random.default_rng(0)
-B, T, H, K, D = 4, 40, 4, 2, 8
+B, T, H, K, D = 4, 72, 4, 2, 8
 q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
 k, v = (jnp.asarray(rng.normal(size=(B, T, K, D)), jnp.float32) for _ in range(2))
-segments = jnp.asarray(np.minimum(np.arange(T) // 13, 2)[None].repeat(B, 0), jnp.int32)
+segments = jnp.asarray(np.minimum(np.arange(T) // 23, 2)[None].repeat(B, 0), jnp.int32)
 ssmax = jnp.asarray(rng.uniform(0.5, 1.5, H), jnp.float32)
 PRIORS = {
     "ggd_negative_shape": GGDPrior(
@@ -43,12 +46,16 @@ HEADS = P("data", None, "model", None)
 
 def attention(implementation, case, q, k, v, prior, ssmax, segments):
     ids = segments if case["documents"] else None
-    return bam_jax.dot_product_attention(
-        q, k, v, prior=prior, ssmax_scale_H=ssmax,
-        query_segment_ids_BxT=ids, key_segment_ids_BxS=ids,
-        ssmax_prior_inside=case["inside"], window=case.get("window"),
-        implementation=implementation, block_q=16, block_k=16,
+    spec = bam_jax.AttentionSpec(
+        ssmax_prior_inside=case["inside"], window=case.get("window"), block_q=16, block_k=16,
     )
+    arrays = dict(
+        prior=prior, ssmax_scale_H=ssmax, query_segment_ids_BxT=ids, key_segment_ids_BxS=ids
+    )
+    if implementation == "pallas_tpu_interpret":
+        return fused_attention(q, k, v, spec, backend="tpu", interpret=True, **arrays)
+    spec = spec.replace(implementation=implementation)
+    return bam_jax.dot_product_attention(q, k, v, spec, **arrays)
 
 
 def sharded(implementation, case, prior):
@@ -66,27 +73,33 @@ def relative_error(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def value_and_gradients(fn, case):
-    weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+ALL = (0, 1, 2, 3, 4)  # q, k, v, prior, SSMax scales
+SUBSETS = (ALL, (3, 4), (2,))
 
-    def loss(*a):
-        out = fn(*a)
+
+def value_and_gradients(fn, case, argnums=ALL):
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+    args = (q, k, v, PRIORS[case["prior"]], ssmax, segments)
+
+    def loss(*differentiated):
+        chosen = dict(zip(argnums, differentiated))
+        out = fn(*(chosen.get(i, x) for i, x in enumerate(args)))
         return jnp.sum(out * weights), out
 
-    args = (q, k, v, PRIORS[case["prior"]], ssmax, segments)
-    value_and_grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
-    (_, out), grads = jax.jit(value_and_grad)(*args)
-    return out, grads
+    value_and_grad = jax.value_and_grad(loss, argnums=tuple(range(len(argnums))), has_aux=True)
+    (_, out), grads = jax.jit(value_and_grad)(*(args[i] for i in argnums))
+    return out, dict(zip(argnums, grads))
 
 
-def check(implementation, case, expected):
+def check(implementation, case, expected, argnums):
     ours = sharded(implementation, case, PRIORS[case["prior"]])
-    out, grads = value_and_gradients(ours, case)
+    out, grads = value_and_gradients(ours, case, argnums)
     expected_out, expected_grads = expected
-    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True)
+    pairs = [(grads[i], expected_grads[i]) for i in argnums]
+    leaves = [pair for a, b in pairs for pair in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
     return {
         "value_error": relative_error(out, expected_out),
-        "grad_errors": [relative_error(a, b) for a, b in pairs],
+        "grad_errors": [relative_error(a, b) for a, b in leaves],
     }
 
 
@@ -95,11 +108,16 @@ for name, case in CASES.items():
     reference = lambda *a: attention("reference", case, *a)
     expected = value_and_gradients(reference, case)
     for implementation in sys.argv[1:]:
-        results[f"{implementation}/{name}"] = check(implementation, case, expected)
+        for argnums in SUBSETS:
+            key = f"{implementation}/{name}/{','.join(map(str, argnums))}"
+            results[key] = check(implementation, case, expected, argnums)
 print("RESULT" + json.dumps(results))
 """
 
-IMPLEMENTATIONS = ("blockwise", "fused") if HAS_COMPILER else ("blockwise",)
+# "fused" on a CPU is the native kernel; the TPU Pallas kernel runs in interpret mode (the
+# GPU one's interpreter cannot run inside shard_map with check_vma=True: jax's interpreter
+# indexes the sharded inputs by unsharded grid indices).
+IMPLEMENTATIONS = ("blockwise", "pallas_tpu_interpret") + (("fused",) if HAS_COMPILER else ())
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +127,11 @@ def results() -> dict:
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", ["ggd_documents_ssmax_inside", "alibi_window_ssmax_outside"])
-def test_attention_inside_shard_map_matches_the_reference(results, implementation, case):
-    result = results[f"{implementation}/{case}"]
+@pytest.mark.parametrize("differentiated", ["0,1,2,3,4", "3,4", "2"])
+def test_attention_inside_shard_map_matches_the_reference(
+    results, implementation, case, differentiated
+):
+    result = results[f"{implementation}/{case}/{differentiated}"]
     assert result["value_error"] < 1e-5, result
+    assert len(result["grad_errors"]) >= len(differentiated.split(","))  # a prior has 1-3
     np.testing.assert_array_less(result["grad_errors"], 1e-5)

@@ -164,3 +164,18 @@ def test_decode_step_runs_under_nnx_jit_as_outside_it():
     logits, jit_cache = jitted(model, tokens[:, PROMPT_LEN : PROMPT_LEN + 1], cache)
     np.testing.assert_array_equal(logits, eager_logits)
     assert int(jit_cache.length) == int(eager_cache.length) == PROMPT_LEN + 1
+
+
+def test_a_cache_holding_one_buffer_for_every_layer_prefills_as_a_fresh_one():
+    model = built("bam_ssmax")
+    config, tokens = model.config, tokens_for(model, 9)
+    shape = (2, CAPACITY, config.kv_heads, config.head_dim)
+    zeros = jnp.zeros(shape)  # what `(jnp.zeros(shape),) * n_layers` gives every layer
+    aliased = KVCache(keys=(zeros,) * config.n_layers, values=(zeros,) * config.n_layers, length=0)
+    logits, cache = prefill(model, tokens, aliased, chunk_size=4)
+    expected_logits, expected = prefill(
+        model, tokens, init_cache(config, 2, CAPACITY), chunk_size=4
+    )
+    np.testing.assert_array_equal(logits, expected_logits)
+    chex.assert_trees_all_equal(cache, expected)
+    assert not np.array_equal(cache.keys[0], cache.keys[1])

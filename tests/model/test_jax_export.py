@@ -1,6 +1,7 @@
 """Functions over bam_jax's pytrees export with jax.export, serialise, and reload in a fresh
-process that has imported bam_jax; blockwise attention exports, the native CPU kernel is
-refused at export time."""
+process that has imported bam_jax; blockwise attention exports, with a symbolic batch and
+length too (values and gradients), the native CPU kernel is refused at export time, and
+the fused kernels with symbolic shapes say to export blockwise attention ("auto" does)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from jax import export
 
 import bam_jax
 from bam_jax import GGDPrior, KVCache, alibi_prior
+from bam_jax.fused_attention import fused_attention
 from bam_jax.kernels.cpu import TARGET_NAME
 from tests.support.cpu_compiler import needs_compiler
 
@@ -80,3 +82,77 @@ def test_exporting_the_native_cpu_kernel_is_refused_and_blockwise_exports():
     exported = export.export(attention("blockwise"))(q_BxTxHxD)
     reloaded = export.deserialize(exported.serialize())
     np.testing.assert_array_equal(reloaded.call(q_BxTxHxD), attention("blockwise")(q_BxTxHxD))
+
+
+def symbolic_arrays(*shapes: tuple[int | str, ...]) -> list[jax.ShapeDtypeStruct]:
+    """Shapes with the symbolic batch "b" and length "t" of one scope: float32, int32 for a
+    [b, t] of segment ids."""
+    sizes = dict(zip("bt", export.symbolic_shape("b, t"), strict=True))
+    return [
+        jax.ShapeDtypeStruct(
+            tuple(sizes.get(size, size) for size in shape),
+            jnp.int32 if shape == ("b", "t") else jnp.float32,
+        )
+        for shape in shapes
+    ]
+
+
+def attention_loss(implementation: str, window: int | None):
+    """Value and gradients (q, k, v, prior, SSMax scales) of a weighted sum of attention over
+    documents, with grouped-query heads, SSMax and a prior with a negative shape."""
+
+    def loss(q, k, v, prior, ssmax_scale_H, segments_BxT):
+        out_BxTxHxD = bam_jax.dot_product_attention(
+            q,
+            k,
+            v,
+            prior=prior,
+            ssmax_scale_H=ssmax_scale_H,
+            query_segment_ids_BxT=segments_BxT,
+            key_segment_ids_BxS=segments_BxT,
+            implementation=implementation,
+            window=window,
+            block_q=64,
+            block_k=64,
+        )
+        return jnp.sum(out_BxTxHxD * jnp.cos(q)), out_BxTxHxD
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_blockwise_attention_exports_with_a_symbolic_batch_and_length(window):
+    prior = GGDPrior(jnp.full((4,), -0.5), jnp.array([1.7, 1.0, 0.0, -0.6]), jnp.zeros(4))
+    ssmax_H = jnp.array([0.5, 1.0, 1.5, 2.0])
+    q, k, v, segments = symbolic_arrays(
+        ("b", "t", 4, 16), ("b", "t", 2, 16), ("b", "t", 2, 16), ("b", "t")
+    )
+    exported = export.export(attention_loss("blockwise", window))(q, k, v, prior, ssmax_H, segments)
+    reloaded = export.deserialize(exported.serialize())
+    for batch, length in ((1, 5), (2, 150)):  # 150: three 64-query tiles, the last partial
+        rng = np.random.default_rng(length)
+        q = jnp.asarray(rng.normal(size=(batch, length, 4, 16)), jnp.float32)
+        k, v = (jnp.asarray(rng.normal(size=(batch, length, 2, 16)), jnp.float32) for _ in "kv")
+        segments_BxT = jnp.asarray(rng.integers(0, 3, (batch, length)).cumsum(1) // 40)
+        args = (q, k, v, prior, ssmax_H, segments_BxT.astype(jnp.int32))
+        (_, out), grads = reloaded.call(*args)
+        (_, expected_out), expected_grads = attention_loss("reference", window)(*args)
+        np.testing.assert_allclose(out, expected_out, atol=2e-5)
+        pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True)
+        for got, want in pairs:
+            np.testing.assert_allclose(got, want, atol=2e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_a_pallas_kernel_with_symbolic_shapes_says_to_export_blockwise(backend):
+    def attention(q_BxTxHxD):
+        spec = bam_jax.AttentionSpec()
+        return fused_attention(
+            q_BxTxHxD, q_BxTxHxD, q_BxTxHxD, spec, backend=backend, interpret=True
+        )
+
+    (q_BxTxHxD,) = symbolic_arrays(("b", "t", 2, 16))
+    with pytest.raises(ValueError, match=r"symbolic dimensions.*implementation='blockwise'"):
+        export.export(jax.jit(attention))(q_BxTxHxD)
+    auto = export.export(jax.jit(bam_jax.dot_product_attention))(q_BxTxHxD, q_BxTxHxD, q_BxTxHxD)
+    assert [str(size) for size in auto.out_avals[0].shape] == ["b", "t", "2", "16"]

@@ -429,7 +429,7 @@ def test_config_roundtrip_and_presets():
         ("max_seq_len", 0),
         ("block_q", 0),
         ("block_k", -1),
-        ("local_window", 0),
+        ("local_window", -1),
         ("ffn_dim_multiplier", 0.0),
         ("norm_eps", -1e-5),
         ("rope_theta", 0),
