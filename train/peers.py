@@ -38,6 +38,8 @@ import time
 import traceback
 from collections.abc import Iterable
 
+from bam_jax.io.checkpoints import checkpoint_dir, checkpoint_steps
+
 # sysexits.h's EX_TEMPFAIL: a temporary failure, the same command may succeed when retried.
 PEER_LOST_STATUS = 75
 DEFAULT_PEER_TIMEOUT_S = 30
@@ -176,8 +178,6 @@ def last_checkpoint(workdir: str | None) -> str:
     """Where the restart resumes, as the end of a sentence."""
     if workdir is None:
         return "no workdir"
-    from bam_jax.io.checkpoints import checkpoint_dir, checkpoint_steps
-
     try:
         steps = checkpoint_steps(workdir)
     except Exception:  # a storage error must not hide the line; say what is known
