@@ -25,19 +25,11 @@ from bam_jax.attention_spec import AttentionSpec
 from bam_jax.config import ENCODINGS, Encoding, ModelConfig
 from bam_jax.inference import decode_step, generate, init_cache, prefill
 from bam_jax.kv_cache import KVCache
+from bam_jax.layer_inputs import LayerFactors
+from bam_jax.layers import PriorConstant, PriorParam, SSMaxParam
 from bam_jax.masking import PADDING_SEGMENT
-from bam_jax.model import (
-    Attention,
-    LayerFactors,
-    PriorConstant,
-    PriorParam,
-    SSMaxParam,
-    Transformer,
-    TransformerBlock,
-    count_params,
-    reconfigure,
-    stacked_blocks,
-)
+from bam_jax.model import Attention, Transformer, TransformerBlock, stacked_blocks
+from bam_jax.model_state import count_params, reconfigure
 from bam_jax.param_groups import optimizer_labels
 from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
 from bam_jax.priors import (

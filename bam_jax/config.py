@@ -400,3 +400,47 @@ def _check_init(name: str, value: Any, modes: tuple[str, ...], *, positive: bool
         raise ValueError(f"{name} must be one of {modes} or a finite float32 number, got {value!r}")
     if positive and value <= 0:
         raise ValueError(f"{name} must be positive (it is exp(theta_alpha)), got {value!r}")
+
+
+ATTENTION_FIELDS = (
+    "prior_alpha_init",
+    "prior_beta_init",
+    "prior_mu_init",
+    "train_prior_alpha",
+    "train_prior_beta",
+    "train_prior_mu",
+    "prior_form",
+    "train_ssmax_scale",
+    "rope_theta",
+    "dtype",
+)
+
+
+def attention_layer_config(
+    dim: int, n_heads: int, *, encoding: str, n_kv_heads: int | None, **fields: Any
+) -> ModelConfig:
+    """The config of one attention layer on its own (`Attention.of_spec`), with its own
+    prior; `fields` are any of ATTENTION_FIELDS, and a field of AttentionSpec is pointed to
+    the spec."""
+    unknown = sorted(set(fields) - set(ATTENTION_FIELDS))
+    spec_fields = [name for name in unknown if name in AttentionSpec.__dataclass_fields__]
+    if spec_fields:
+        example = ", ".join(f"{name}={fields[name]!r}" for name in spec_fields)
+        raise TypeError(
+            f"Attention.of_spec got {spec_fields}, which are fields of the layer's "
+            f"AttentionSpec: pass spec=bam_jax.AttentionSpec({example})"
+        )
+    if unknown:
+        raise TypeError(
+            f"Attention.of_spec got {unknown}, which an attention layer does not read; "
+            f"it takes {list(ATTENTION_FIELDS)} (configure a whole model with ModelConfig)"
+        )
+    return ModelConfig(
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        n_layers=1,
+        encoding=encoding,
+        global_prior=False,
+        **fields,
+    )

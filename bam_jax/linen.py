@@ -24,7 +24,8 @@ from flax.nnx import bridge, variablelib
 
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.config import ModelConfig
-from bam_jax.model import Attention, PriorParam, SSMaxParam, Transformer
+from bam_jax.layers import PriorParam, SSMaxParam
+from bam_jax.model import Attention, Transformer
 from bam_jax.param_groups import parameter_group
 
 COLLECTIONS = ("params", "prior_params", "ssmax_params", "prior_constants")

@@ -6,10 +6,9 @@ wk, wv, wo, seq_scale, prior}, layers[i].feed_forward.{w1, w2, w3},
 layers[i].{attention_norm, ffn_norm}, norm, output and, for a global BAM prior, prior.
 Linear kernels are [in, out] (the transpose of torch's weight).
 
-Variable types: trainable prior parameters are `PriorParam`, SSMax scales `SSMaxParam`
-(both `nnx.Param`), frozen ones `PriorConstant` (an `nnx.Variable`, so optimizers that
-filter on `nnx.Param` skip them). Every variable carries logical axis names as
-`out_sharding` metadata (not applied eagerly; a sharding table maps them to a mesh).
+The variable types, the linear layer and RMSNorm are in `bam_jax.layers`, a layer's
+per-call inputs in `bam_jax.layer_inputs`, and `count_params` and `reconfigure` in
+`bam_jax.model_state`.
 
 Precision: parameters, embeddings and the residual stream are float32; `config.dtype` is
 the dtype the matmuls multiply in, and wo, w2 and the output layer accumulate and return
@@ -21,108 +20,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from bam_jax.attention import dot_product_attention
 from bam_jax.attention_spec import AttentionSpec
-from bam_jax.config import ModelConfig
+from bam_jax.config import ModelConfig, attention_layer_config
 from bam_jax.kv_cache import KVCache
+from bam_jax.layer_inputs import LayerFactors, LayerInputs, finished_inputs, layer_slice
+from bam_jax.layers import (
+    PriorParam,
+    RMSNorm,
+    SSMaxParam,
+    annotated,
+    linear_layer,
+    positional_variable,
+)
 from bam_jax.losses import output_cross_entropy
 from bam_jax.positional import alibi_prior, apply_rope, sinusoidal_embedding
 from bam_jax.priors import GGDPrior, Prior, init_ggd_prior
-from bam_jax.pytrees import export_serializable
 
-Axes = tuple[str | None, ...]
 KV = tuple[jax.Array, jax.Array]
-
-
-class PriorParam(nnx.Param):
-    """A trainable parameter of a positional prior (never weight-decayed)."""
-
-
-class SSMaxParam(nnx.Param):
-    """A trainable Scalable-Softmax scale s_h (never weight-decayed)."""
-
-
-class PriorConstant(nnx.Variable):
-    """A frozen positional parameter (prior or SSMax scale): stored, not trained."""
-
-
-# Collection names of these variables when the modules are used from Linen (nnx.bridge).
-nnx.register_variable_name("prior_params", PriorParam, overwrite=True)
-nnx.register_variable_name("ssmax_params", SSMaxParam, overwrite=True)
-nnx.register_variable_name("prior_constants", PriorConstant, overwrite=True)
-
-
-def _torch_linear_init(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for an [in, out] kernel, torch.nn.Linear's default."""
-    return jax.nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")(key, shape, dtype)
-
-
-def _annotated(init: Callable, axes: Axes) -> Callable:
-    return nnx.with_metadata(init, out_sharding=axes, eager_sharding=False)
-
-
-class Linear(nnx.Linear):
-    """`nnx.Linear` applied to its input flattened to [rows, in].
-
-    Same parameters and result; XLA's CPU backend runs a 2-D product and its gradient
-    faster than the same product on a [B, T, in] input (docs/benchmarks.md measures it).
-    """
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        rows = super().__call__(inputs.reshape(-1, inputs.shape[-1]))
-        return rows.reshape(*inputs.shape[:-1], rows.shape[-1])
-
-
-def _linear(
-    in_dim: int,
-    out_dim: int,
-    axes: Axes,
-    config: ModelConfig,
-    rngs: nnx.Rngs,
-    *,
-    float32_result: bool = False,
-) -> Linear:
-    """A bias-free linear layer: float32 kernel, inputs and kernel cast to the compute dtype.
-
-    float32_result: accumulate and return in float32 (layers that write to the residual
-    stream, and the output layer); otherwise the result is in the compute dtype.
-    """
-    return Linear(
-        in_dim,
-        out_dim,
-        use_bias=False,
-        dtype=jnp.dtype(config.dtype),
-        param_dtype=jnp.float32,
-        preferred_element_type=jnp.float32 if float32_result else None,
-        kernel_init=_annotated(_torch_linear_init, axes),
-        rngs=rngs,
-    )
-
-
-def _positional_variable(value: jax.Array, trainable: bool, param_type: type) -> nnx.Variable:
-    variable_type = param_type if trainable else PriorConstant
-    return variable_type(value, out_sharding=(None,), eager_sharding=False)
-
-
-class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, computed in float32, returned in `dtype` (the input of a matmul)."""
-
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
-        self.eps = eps
-        self.dtype = dtype
-        self.weight = nnx.Param(
-            jnp.ones((dim,), jnp.float32), out_sharding=("norm",), eager_sharding=False
-        )
-
-    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
-        x = x_BxTxE.astype(jnp.float32)
-        normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.weight[...].astype(jnp.float32)).astype(self.dtype)
 
 
 class AttentionPrior(nnx.Module):
@@ -137,13 +56,13 @@ class AttentionPrior(nnx.Module):
             mu_init=config.prior_mu_init,
             key=rngs.params(),
         )
-        self.theta_alpha = _positional_variable(
+        self.theta_alpha = positional_variable(
             initial.theta_alpha_H, config.train_prior_alpha, PriorParam
         )
-        self.theta_beta = _positional_variable(
+        self.theta_beta = positional_variable(
             initial.theta_beta_H, config.train_prior_beta, PriorParam
         )
-        self.theta_mu = _positional_variable(initial.theta_mu_H, config.train_prior_mu, PriorParam)
+        self.theta_mu = positional_variable(initial.theta_mu_H, config.train_prior_mu, PriorParam)
         self.form = config.prior_form
 
     def __call__(self) -> GGDPrior:
@@ -153,20 +72,6 @@ class AttentionPrior(nnx.Module):
 
 
 # The ModelConfig fields an attention layer reads besides its sizes and encoding.
-ATTENTION_FIELDS = (
-    "prior_alpha_init",
-    "prior_beta_init",
-    "prior_mu_init",
-    "train_prior_alpha",
-    "train_prior_beta",
-    "train_prior_mu",
-    "prior_form",
-    "train_ssmax_scale",
-    "rope_theta",
-    "dtype",
-)
-
-
 class Attention(nnx.Module):
     """Multi-head (or grouped-query) attention with the configured positional encoding.
 
@@ -195,14 +100,14 @@ class Attention(nnx.Module):
         self.spec = config.attention_spec(layer) if spec is None else spec
         self.result_dtype = None if result_dtype is None else jnp.dtype(result_dtype)
         q_dim, kv_dim = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
-        self.wq = _linear(config.dim, q_dim, ("embed", "q_heads"), config, rngs)
-        self.wk = _linear(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
-        self.wv = _linear(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
-        self.wo = _linear(
+        self.wq = linear_layer(config.dim, q_dim, ("embed", "q_heads"), config, rngs)
+        self.wk = linear_layer(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
+        self.wv = linear_layer(config.dim, kv_dim, ("embed", "kv_heads"), config, rngs)
+        self.wo = linear_layer(
             q_dim, config.dim, ("q_heads", "embed"), config, rngs, float32_result=True
         )
         self.seq_scale = (
-            _positional_variable(
+            positional_variable(
                 jnp.ones((config.n_heads,), jnp.float32), config.train_ssmax_scale, SSMaxParam
             )
             if config.ssmax
@@ -227,27 +132,8 @@ class Attention(nnx.Module):
         a Transformer of this encoding has), and any of `ATTENTION_FIELDS` by keyword (the
         prior's initialisation and trainability, `train_ssmax_scale`, `rope_theta`,
         `dtype`)."""
-        unknown = sorted(set(fields) - set(ATTENTION_FIELDS))
-        spec_fields = [name for name in unknown if name in AttentionSpec.__dataclass_fields__]
-        if spec_fields:
-            example = ", ".join(f"{name}={fields[name]!r}" for name in spec_fields)
-            raise TypeError(
-                f"Attention.of_spec got {spec_fields}, which are fields of the layer's "
-                f"AttentionSpec: pass spec=bam_jax.AttentionSpec({example})"
-            )
-        if unknown:
-            raise TypeError(
-                f"Attention.of_spec got {unknown}, which an attention layer does not read; "
-                f"it takes {list(ATTENTION_FIELDS)} (configure a whole model with ModelConfig)"
-            )
-        config = ModelConfig(
-            dim=dim,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            n_layers=1,
-            encoding=encoding,
-            global_prior=False,
-            **fields,
+        config = attention_layer_config(
+            dim, n_heads, encoding=encoding, n_kv_heads=n_kv_heads, **fields
         )
         return cls(config, rngs=rngs, spec=spec)
 
@@ -346,46 +232,16 @@ class Attention(nnx.Module):
         return prior if dilation is None else prior.dilated(dilation)
 
 
-@export_serializable
-@flax.struct.dataclass
-class LayerFactors:
-    """Per-layer factors that training draws to vary the attention it learns under (each
-    [n_layers], or one layer's scalar inside the layer loop; None leaves that part as it is):
-    `ssmax_scale_L` multiplies each layer's learned SSMax scale (`TrainConfig.ssmax_jitter`)
-    and `prior_dilation_L` makes each layer see every distance that many times longer
-    (`TrainConfig.prior_dilation`): the BAM prior evaluated at the longer distances, ALiBi's
-    slopes multiplied, RoPE rotating as if every position were that many times larger. A
-    sinusoidal model adds its position table once, before the first layer, so it takes the
-    largest factor for every position and, with local layers, refuses factors. NoPE has no
-    positions and refuses them. Evaluation uses none."""
-
-    ssmax_scale_L: jax.Array | None = None
-    prior_dilation_L: jax.Array | None = None
-
-
-@export_serializable
-@flax.struct.dataclass
-class LayerInputs:
-    """One attention layer's finished inputs, which the Transformer builds before its layer
-    loop (`Attention.layer_inputs`; every leaf has a leading [n_layers] axis when the
-    layers are scanned): the prior it adds (its own or the global one, dilated in
-    training), its SSMax scale (jittered in training), the cap on SSMax's key count, and
-    the factor RoPE multiplies the positions by (training's dilation)."""
-
-    prior: Prior | None = None
-    ssmax_scale_H: jax.Array | None = None
-    ssmax_max_count: int | jax.Array | None = None
-    position_scale: float | jax.Array | None = None
-
-
 class FeedForward(nnx.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         hidden = config.ffn_hidden_dim
-        self.w1 = _linear(config.dim, hidden, ("embed", "mlp"), config, rngs)
-        self.w2 = _linear(hidden, config.dim, ("mlp", "embed"), config, rngs, float32_result=True)
-        self.w3 = _linear(config.dim, hidden, ("embed", "mlp"), config, rngs)
+        self.w1 = linear_layer(config.dim, hidden, ("embed", "mlp"), config, rngs)
+        self.w2 = linear_layer(
+            hidden, config.dim, ("mlp", "embed"), config, rngs, float32_result=True
+        )
+        self.w3 = linear_layer(config.dim, hidden, ("embed", "mlp"), config, rngs)
 
     def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
         return self.w2(jax.nn.silu(self.w1(x_BxTxE)) * self.w3(x_BxTxE))
@@ -435,25 +291,6 @@ def _apply_block(
     return block(x_BxTxE, segment_ids_BxT, kv, cache_length, inputs)
 
 
-def _finished_inputs(
-    block: TransformerBlock,
-    shared_prior: Prior | None,
-    factors: LayerFactors | None,
-    ssmax_max_count: int | jax.Array | None,
-) -> LayerInputs:
-    return block.attention.layer_inputs(
-        shared_prior,
-        ssmax_max_count=ssmax_max_count,
-        ssmax_scale_factor=None if factors is None else factors.ssmax_scale_L,
-        prior_dilation=None if factors is None else factors.prior_dilation_L,
-    )
-
-
-def _layer_slice(factors: LayerFactors | None, layer: int) -> LayerFactors | None:
-    """Layer `layer`'s scalars of per-layer factors."""
-    return None if factors is None else jax.tree.map(lambda x_L: x_L[layer], factors)
-
-
 def stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> TransformerBlock:
     """n_layers blocks whose variables carry a leading "layers" axis, in their values and
     in their logical sharding (`scan_layers`; for a stack of a user's own, scanned with
@@ -498,7 +335,7 @@ class Transformer(nnx.Module):
             config.dim,
             dtype=jnp.float32,
             param_dtype=jnp.float32,
-            embedding_init=_annotated(jax.nn.initializers.normal(1.0), ("vocab", "embed")),
+            embedding_init=annotated(jax.nn.initializers.normal(1.0), ("vocab", "embed")),
             rngs=rngs,
         )
         if config.scan_layers:
@@ -508,7 +345,7 @@ class Transformer(nnx.Module):
                 [TransformerBlock(config, rngs=rngs, layer=i) for i in range(config.n_layers)]
             )
         self.norm = RMSNorm(config.dim, config.norm_eps, jnp.dtype(config.dtype))
-        self.output = _linear(
+        self.output = linear_layer(
             config.dim, config.vocab_size, ("embed", "vocab"), config, rngs, float32_result=True
         )
         self.prior = AttentionPrior(config, rngs=rngs) if config.shared_prior else None
@@ -619,7 +456,7 @@ class Transformer(nnx.Module):
         keys, values = [], []
         max_counts = self.config.ssmax_max_counts()
         for i, block in enumerate(self.layers):
-            inputs = _finished_inputs(block, prior, _layer_slice(layer_factors, i), max_counts[i])
+            inputs = finished_inputs(block, prior, layer_slice(layer_factors, i), max_counts[i])
             kv = None if cache is None else (cache.keys[i], cache.values[i])
             h_BxTxE, kv = apply(block, h_BxTxE, segment_ids_BxT, kv, offset, inputs)
             if kv is not None:
@@ -634,7 +471,7 @@ class Transformer(nnx.Module):
         offset = None if cache is None else cache.length
         # The scan reads and writes stacked [L, ...] buffers: a copy of the cache per call.
         kv = None if cache is None else (jnp.stack(cache.keys), jnp.stack(cache.values))
-        finish = nnx.vmap(_finished_inputs, in_axes=(0, None, 0, 0), out_axes=0)
+        finish = nnx.vmap(finished_inputs, in_axes=(0, None, 0, 0), out_axes=0)
         inputs_L = finish(self.layers, prior, layer_factors, self._stacked_ssmax_max_counts())
 
         @nnx.scan(in_axes=(0, nnx.Carry, None, 0, None, 0), out_axes=(nnx.Carry, 0))
@@ -653,38 +490,3 @@ class Transformer(nnx.Module):
         no_cap = jnp.iinfo(jnp.int32).max
         caps = [no_cap if c is None else c for c in self.config.ssmax_max_counts()]
         return jnp.asarray(caps, jnp.int32)
-
-
-def count_params(model_or_params: nnx.Module | Any) -> int:
-    """Number of scalars in all variables of a model (trainable or not), or in a pytree of
-    arrays such as a training state's parameter dicts (abstract shapes count too)."""
-    if isinstance(model_or_params, nnx.Module):
-        model_or_params = nnx.state(model_or_params)
-    return int(sum(x.size for x in jax.tree.leaves(model_or_params)))
-
-
-def reconfigure(model: Transformer, **changes: Any) -> Transformer:
-    """The same weights under a changed config, e.g. `scan_layers`, `remat`, `dtype`,
-    `attention_impl`, `local_window`: anything that keeps the set of parameters.
-
-    Switching `scan_layers` stacks the blocks' weights along a leading layer axis (or
-    splits them back into a list of blocks).
-    """
-    config = model.config.replace(**changes)
-    converted = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    weights = nnx.to_pure_dict(nnx.state(model))
-    layers = weights.pop("layers")
-    if model.config.scan_layers and not config.scan_layers:
-        layers = {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(config.n_layers)}
-    elif config.scan_layers and not model.config.scan_layers:
-        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in range(len(layers))))
-    weights["layers"] = layers
-    state = nnx.state(converted)
-    try:
-        nnx.replace_by_pure_dict(state, weights)
-    except (KeyError, ValueError) as error:
-        raise ValueError(f"config changes {sorted(changes)} change the parameter set") from error
-    if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(state)):
-        raise ValueError(f"config changes {sorted(changes)} add parameters")
-    nnx.update(converted, state)
-    return converted

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bam_jax.model import PriorParam, SSMaxParam
+from bam_jax.layers import PriorParam, SSMaxParam
 
 GROUPS = ("decay", "no_decay", "prior", "ssmax")
 

@@ -33,7 +33,7 @@ import jax
 
 from bam_configs.presets import preset
 from bam_configs.training import DataConfig, TrainConfig
-from bam_jax.model import count_params
+from bam_jax.model_state import count_params
 from bam_jax.provenance import matmul_gflops
 from bam_train.data import train_iterator
 from bam_train.setup import build

@@ -24,7 +24,8 @@ from bam_jax.config import ModelConfig
 from bam_jax.implementation import resolve_implementation
 from bam_jax.io.checkpoints import checkpoint_dir, checkpoint_steps, error_summary, load_params
 from bam_jax.io.files import run_path
-from bam_jax.model import Transformer, reconfigure
+from bam_jax.model import Transformer
+from bam_jax.model_state import reconfigure
 from bam_jax.reference_checkpoint import load_reference_checkpoint
 from bam_jax.tokenizers import Tokenizer, get_tokenizer
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from bam_jax.model import count_params
+from bam_jax.model_state import count_params
 from bam_train.checkpoint import readable_size
 from bam_train.data import train_iterator
 from bam_train.setup import Setup, validation_set

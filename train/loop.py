@@ -17,7 +17,7 @@ import jax
 
 from bam_configs.training import TrainConfig
 from bam_jax.io.files import run_path, write_text_atomically
-from bam_jax.model import count_params
+from bam_jax.model_state import count_params
 from bam_train.checkpoint import Checkpointer, full_disk_stops_the_run
 from bam_train.data import train_iterator
 from bam_train.metrics import (

@@ -13,7 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from bam_configs.training import OptimConfig, TrainConfig, validate_for_runtime
-from bam_jax.model import count_params
+from bam_jax.model_state import count_params
 from bam_train.data import BatchLayout, loss_positions_per_row, val_batches
 from bam_train.optim import make_optimizer
 from bam_train.sharding import batch_sharding, local_rows, make_mesh, replicated

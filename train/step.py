@@ -19,7 +19,7 @@ import optax
 from flax import struct
 
 from bam_configs.training import TrainConfig
-from bam_jax.model import LayerFactors
+from bam_jax.layer_inputs import LayerFactors
 from bam_train.optim import ScheduleValues
 from bam_train.state import ModelParts, TrainState
 

@@ -15,7 +15,9 @@ from bam_jax import inference
 from bam_jax.config import ModelConfig
 from bam_jax.inference import decode_step, generate, init_cache, prefill
 from bam_jax.kv_cache import KVCache
-from bam_jax.model import PriorParam, SSMaxParam, Transformer, reconfigure
+from bam_jax.layers import PriorParam, SSMaxParam
+from bam_jax.model import Transformer
+from bam_jax.model_state import reconfigure
 from tests.support.grids import slow_unless
 
 PROMPT_LEN, TOTAL_LEN, CAPACITY = 13, 16, 24

@@ -15,7 +15,8 @@ from bam_configs.presets import preset
 from bam_configs.training import TrainConfig
 from bam_jax.attention import dot_product_attention
 from bam_jax.config import ModelConfig
-from bam_jax.model import Attention, LayerFactors, Transformer
+from bam_jax.layer_inputs import LayerFactors
+from bam_jax.model import Attention, Transformer
 from bam_jax.positional import apply_rope, sinusoidal_embedding
 from bam_jax.priors import GGDPrior, alibi_slopes
 from bam_train.data import train_iterator

@@ -28,7 +28,8 @@ from bam_eval import api as eval_api
 from bam_eval import cli as eval_cli
 from bam_jax import model as model_module
 from bam_jax.config import ModelConfig
-from bam_jax.model import Transformer, reconfigure
+from bam_jax.model import Transformer
+from bam_jax.model_state import reconfigure
 from bam_jax.reference_checkpoint import export_reference_checkpoint, load_reference_checkpoint
 from tests.support.grids import slow_unless
 from tests.support.reference_runs import CASES, make_run, write_run

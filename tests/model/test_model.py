@@ -14,15 +14,9 @@ from flax import nnx
 
 import bam_jax
 from bam_jax.config import ENCODINGS, ModelConfig
-from bam_jax.model import (
-    Attention,
-    PriorConstant,
-    PriorParam,
-    SSMaxParam,
-    Transformer,
-    count_params,
-    reconfigure,
-)
+from bam_jax.layers import PriorConstant, PriorParam, SSMaxParam
+from bam_jax.model import Attention, Transformer
+from bam_jax.model_state import count_params, reconfigure
 from bam_jax.positional import apply_rope, sinusoidal_embedding
 from tests.support.reference_numpy import reference_forward
 
