@@ -165,3 +165,13 @@ def test_the_graph_sees_the_attention_layers() -> None:
     graph, _ = _import_graph()
     assert {"bam_jax.blockwise", "bam_jax.fused_attention"} <= graph["bam_jax.attention"]
     assert "bam_jax.masking" in graph["bam_jax.kernels.tile_math"]
+
+
+def test_the_architecture_doc_names_every_module() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = sorted(
+        name
+        for name, path in _project_modules().items()
+        if path.stem not in ("__init__", "__main__") and path.name not in text
+    )
+    assert not unnamed, f"docs/architecture.md does not name: {unnamed}"
