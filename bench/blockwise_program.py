@@ -9,8 +9,9 @@ multiple of the block), head dim 64, float32, causal, tiles of 256, a GGD prior 
 negative shape, SSMax and two documents a row. For each version (the earlier one is
 `git show REV:bam_jax/blockwise.py`, loaded beside the current package) it reports the
 while loops and lines of the optimized HLO, the compile seconds (lowering and
-compilation, median of fresh compiles) and the median wall time of a compiled forward +
-backward (three calls a round), with the float32 matmul rate measured before and after.
+compilation, median of fresh compiles) and the median time of a compiled forward +
+backward (three calls a round; wall time and the CPU time of all the process's threads,
+which a busy machine inflates less), with the float32 matmul rate measured around them.
 Versions alternate in every round, so that a machine shared with other work slows both
 alike; the persistent compilation cache is off.
 """
@@ -103,10 +104,11 @@ def compile_once(fn, args: tuple):
     return compiled, time.perf_counter() - start
 
 
-def wall_seconds(compiled, args: tuple) -> float:
-    start = time.perf_counter()
+def call_seconds(compiled, args: tuple) -> tuple[float, float]:
+    """Wall and CPU seconds (all threads of this process) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     jax.block_until_ready(compiled(*args))
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
@@ -123,11 +125,11 @@ def main() -> None:
     walls = {name: [] for name in fns}
     gflops = [matmul_gflops()]
     for compiled in programs.values():
-        wall_seconds(compiled, inputs)
+        call_seconds(compiled, inputs)
     for _ in range(args.repeats):
         for name, fn in fns.items():
             compile_s[name].append(compile_once(fn, inputs)[1])
-            walls[name].extend(wall_seconds(programs[name], inputs) for _ in range(3))
+            walls[name].extend(call_seconds(programs[name], inputs) for _ in range(3))
     gflops.append(matmul_gflops())
     print(
         f"batch {BATCH}, {HEADS} heads on {KV_HEADS} kv heads, {LENGTH} tokens, head dim "
@@ -136,19 +138,20 @@ def main() -> None:
         f"{gflops[0]:.0f} / {gflops[1]:.0f} GFLOP/s before / after the rounds; medians of "
         f"{args.repeats}\n"
     )
-    print("| version | while loops | HLO lines | compile s | fwd+bwd ms |")
-    print("|---|---|---|---|---|")
+    print("| version | while loops | HLO lines | compile s | fwd+bwd wall ms | fwd+bwd CPU ms |")
+    print("|---|---|---|---|---|---|")
     medians = {}
     for name, compiled in programs.items():
         hlo = compiled.as_text()
-        medians[name] = [statistics.median(x[name]) for x in (compile_s, walls)]
+        wall_ms, cpu_ms = (statistics.median(x) * 1e3 for x in zip(*walls[name], strict=True))
+        medians[name] = (statistics.median(compile_s[name]), wall_ms, cpu_ms)
         loops, lines = len(re.findall(r"\bwhile\(", hlo)), hlo.count("\n")
-        compile_median, wall_median = medians[name]
-        print(f"| {name} | {loops} | {lines} | {compile_median:.2f} | {wall_median * 1e3:.1f} |")
+        cells = [name, str(loops), str(lines), f"{medians[name][0]:.2f}", f"{wall_ms:.1f}"]
+        print("| " + " | ".join([*cells, f"{cpu_ms:.1f}"]) + " |")
     before, after = medians.values()
     print(
-        f"\nafter / before: compile {after[0] / before[0]:.2f}x, "
-        f"fwd+bwd {after[1] / before[1]:.2f}x"
+        f"\nafter / before: compile {after[0] / before[0]:.2f}x, fwd+bwd wall "
+        f"{after[1] / before[1]:.2f}x, CPU {after[2] / before[2]:.2f}x"
     )
 
 
