@@ -82,6 +82,7 @@ class _Padded(NamedTuple):
     k_seg: jax.Array | None
     offset: jax.Array
     log_n: jax.Array | None  # [B or 1, T]: SSMax's log(n_i), None without SSMax
+    single_key: jax.Array  # bool [B or 1, T]: the query sees exactly one key (backward only)
 
 
 @checked_attention
@@ -336,10 +337,9 @@ def _pad_inputs(
     if q_seg is not None:
         q_seg = _pad_axis1(q_seg.astype(jnp.int32), q_pad, PADDING_SEGMENT)
         k_seg = _pad_axis1(k_seg.astype(jnp.int32), kv_pad, PADDING_SEGMENT)
-    log_n = None
-    if ssmax:
-        counts_BxT = static.mask.visible_counts(static.q_len_padded, offset, q_seg, k_seg)
-        log_n = log_visible_count(counts_BxT, ssmax_max_count)
+    # Counted once for SSMax and the backward (a forward alone drops what it does not use).
+    counts_BxT = static.mask.visible_counts(static.q_len_padded, offset, q_seg, k_seg)
+    log_n = log_visible_count(counts_BxT, ssmax_max_count) if ssmax else None
     return _Padded(
         q=_pad_axis1(q, q_pad, 0),
         k=_pad_axis1(k, kv_pad, 0),
@@ -348,6 +348,7 @@ def _pad_inputs(
         k_seg=k_seg,
         offset=offset,
         log_n=log_n,
+        single_key=counts_BxT == 1,
     )
 
 
@@ -542,7 +543,7 @@ def _slice_or_none(x: jax.Array | None, start, size: int, axis: int = 1) -> jax.
 def _forward(static: _Static, bias_table, scale, padded: _Padded):
     """Output [B, T, H, D] (q.dtype) and natural-log log-sum-exp [B, H, T] (+inf for rows
     that see no key, so that every probability recomputed from it is 0)."""
-    q, k, v, q_seg, k_seg, offset, log_n = padded
+    q, k, v, q_seg, k_seg, offset, log_n, _ = padded
     batch, q_len, num_heads, _ = q.shape
     bq, bk = static.block_q, static.block_k
     num_q_blocks = q_len // bq
@@ -616,13 +617,12 @@ def _backward(static: _Static, residuals, d_out):
     units).
     """
     bias_table, scale, padded, out, lse = residuals
-    q, k, v, q_seg, k_seg, offset, log_n = padded
+    q, k, v, q_seg, k_seg, offset, log_n, single_key_BxT = padded
     batch, q_len, _, head_dim = q.shape
     bq, bk = static.block_q, static.block_k
     num_q_blocks, num_k_blocks = q_len // bq, k.shape[1] // bk
     sqrt_d = jnp.float32(math.sqrt(head_dim))
     delta_BxHxT = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    single_key_BxT = static.mask.visible_counts(q_len, offset, q_seg, k_seg) == 1
     zeros = functools.partial(jax.tree.map, jnp.zeros_like)
 
     def key_block(carry, kb):
