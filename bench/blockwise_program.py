@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from bam_jax import blockwise
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.priors import init_ggd_prior
-from bench.matmul_rate import matmul_gflops
+from bam_jax.provenance import matmul_gflops
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 1000, 8, 2, 64
 PRIOR_SHAPE = -0.6
