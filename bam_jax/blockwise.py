@@ -48,7 +48,14 @@ from jax import lax
 
 from bam_jax.attention_inputs import checked_attention
 from bam_jax.attention_spec import AttentionSpec
-from bam_jax.masking import PADDING_SEGMENT, AttentionMask, log_visible_count
+from bam_jax.masking import (
+    PADDING_SEGMENT,
+    AttentionMask,
+    all_known,
+    log_visible_count,
+    round_up_to,
+    window_keys,
+)
 from bam_jax.priors import Prior
 from bam_jax.pytrees import vary_together
 
@@ -186,57 +193,11 @@ def _with_batch(padded_row: _Padded, axes: _Padded) -> _Padded:
     return jax.tree.map(lambda x, axis: x if axis is None else x[None], padded_row, axes)
 
 
-def window_keys(
-    key_BxSxKxD: jax.Array,
-    value_BxSxKxD: jax.Array,
-    key_segment_ids_BxS: jax.Array | None,
-    query_offset: int | jax.Array,
-    *,
-    q_len: int,
-    causal: bool,
-    window: int | None,
-    block_k: int,
-) -> tuple[jax.Array, jax.Array, jax.Array | None, int | jax.Array]:
-    """The keys, values, key segment ids and query offset of attention restricted to the
-    key slots a causal `window` lets T = `q_len` queries from `query_offset` see.
-
-    The cut starts at a multiple of `block_k` (at or before the first visible slot) and
-    holds a whole number of blocks, so key blocks of `block_k` slots cover the same slots
-    as in the full arrays: the attention is the same function, its tiles the same. Without
-    a causal window, or when the cut would not be shorter than S, the inputs come back
-    as they are. The cut lies inside [0, S), so every slot it holds is a real key.
-    """
-    kv_len = key_BxSxKxD.shape[1]
-    unchanged = key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset
-    if window is None or not causal or not _all_known(kv_len, q_len):
-        return unchanged
-    length = _round_up(window + q_len + block_k - 1, block_k)
-    if length >= kv_len:
-        return unchanged
-    offset = jnp.asarray(query_offset, jnp.int32)
-    first = jnp.maximum(offset - window, 0) // block_k * block_k
-    start = jnp.minimum(first, kv_len - length)
-    cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=length, axis=1)
-    segments = None if key_segment_ids_BxS is None else cut(key_segment_ids_BxS)
-    return cut(key_BxSxKxD), cut(value_BxSxKxD), segments, offset - start
-
-
-def _round_up(n: int, multiple: int) -> int:
-    """n rounded up to a multiple; written so that for a symbolic n >= 1 (`jax.export`)
-    jax can tell the result holds at least one multiple."""
-    return (n + multiple - 1) // multiple * multiple
-
-
-def _all_known(*sizes) -> bool:
-    """Whether every size is a number (not a symbolic dimension of `jax.export`)."""
-    return all(isinstance(size, int) for size in sizes)
-
-
 def capped_block(block: int, length) -> int:
     """A tile size along an axis of `length`: `block`, lowered to the length where that is
     known. A symbolic length (`jax.export` with shapes such as "b, t") keeps the whole
     block, and the axis is padded to whole tiles."""
-    return min(block, length) if _all_known(length) else block
+    return min(block, length) if all_known(length) else block
 
 
 def flash_backward(
@@ -311,7 +272,7 @@ def _static(
         mask=mask,
         block_q=bq,
         block_k=bk,
-        q_len_padded=_round_up(q_len, bq),
+        q_len_padded=round_up_to(q_len, bq),
         kv_heads=num_kv_heads,
         groups=num_heads // num_kv_heads,
         prior_inside=prior_inside,
@@ -332,7 +293,7 @@ def _pad_inputs(
 ) -> _Padded:
     q_len = q.shape[1]
     q_pad = static.q_len_padded - q_len
-    kv_pad = _round_up(k.shape[1], static.block_k) - k.shape[1]
+    kv_pad = round_up_to(k.shape[1], static.block_k) - k.shape[1]
     offset = jnp.asarray(query_offset, jnp.int32)
     if q_seg is not None:
         q_seg = _pad_axis1(q_seg.astype(jnp.int32), q_pad, PADDING_SEGMENT)
@@ -357,7 +318,7 @@ def _scale_by_kv_head(static: _Static, ssmax_scale_H: jax.Array) -> jax.Array:
 
 
 def _pad_axis1(x: jax.Array, pad: int, value: int | float) -> jax.Array:
-    if _all_known(pad) and not pad:
+    if all_known(pad) and not pad:
         return x
     widths = [(0, 0)] * x.ndim
     widths[1] = (0, pad)

@@ -30,7 +30,7 @@ head on every distance, a table [H, S + T - 1] computed by `prior.bias` outside 
 kernel, and each tile reads its Toeplitz slice of it (a gather on GPU, a strided lane
 rotation on TPU): no transcendental per element for the prior. On CPU a causal window
 over a long key array is first cut to the whole 256-key tiles it can reach
-(`bam_jax.blockwise.window_keys`), so a local layer's table, counts and tiles cost
+(`bam_jax.masking.window_keys`), so a local layer's table, counts and tiles cost
 O(window + T) per call however long the cache is. SSMax uses n_i, the
 number of keys query i can see, computed outside the kernel in O((T + S) log S).
 
@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 
 from bam_jax.attention_inputs import checked_attention
 from bam_jax.attention_spec import AttentionSpec
-from bam_jax.blockwise import blockwise_attention, flash_backward, window_keys
+from bam_jax.blockwise import blockwise_attention, flash_backward
 from bam_jax.kernels.backend import BLOCKWISE_BACKWARD_BLOCK, FusedBackend
 from bam_jax.kernels.cpu import cpu_forward
 from bam_jax.kernels.gpu import gpu_forward
@@ -80,7 +80,7 @@ from bam_jax.kernels.tile_math import (
     pad_to,
 )
 from bam_jax.kernels.tpu import tpu_forward
-from bam_jax.masking import log_visible_count
+from bam_jax.masking import log_visible_count, window_keys
 from bam_jax.priors import AlibiPrior, GGDPrior, Prior, ggd_mu
 from bam_jax.pytrees import vary_together
 

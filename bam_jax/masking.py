@@ -21,6 +21,7 @@ Triton and Mosaic kernels too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -228,3 +229,49 @@ def visibility_mask(
         query_segment_ids_BxT[:, :, None],
         key_segment_ids_BxS[:, None, :],
     )
+
+
+def window_keys(
+    key_BxSxKxD: jax.Array,
+    value_BxSxKxD: jax.Array,
+    key_segment_ids_BxS: jax.Array | None,
+    query_offset: int | jax.Array,
+    *,
+    q_len: int,
+    causal: bool,
+    window: int | None,
+    block_k: int,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, int | jax.Array]:
+    """The keys, values, key segment ids and query offset of attention restricted to the
+    key slots a causal `window` lets T = `q_len` queries from `query_offset` see.
+
+    The cut starts at a multiple of `block_k` (at or before the first visible slot) and
+    holds a whole number of blocks, so key blocks of `block_k` slots cover the same slots
+    as in the full arrays: the attention is the same function, its tiles the same. Without
+    a causal window, or when the cut would not be shorter than S, the inputs come back
+    as they are. The cut lies inside [0, S), so every slot it holds is a real key.
+    """
+    kv_len = key_BxSxKxD.shape[1]
+    unchanged = key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset
+    if window is None or not causal or not all_known(kv_len, q_len):
+        return unchanged
+    length = round_up_to(window + q_len + block_k - 1, block_k)
+    if length >= kv_len:
+        return unchanged
+    offset = jnp.asarray(query_offset, jnp.int32)
+    first = jnp.maximum(offset - window, 0) // block_k * block_k
+    start = jnp.minimum(first, kv_len - length)
+    cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=length, axis=1)
+    segments = None if key_segment_ids_BxS is None else cut(key_segment_ids_BxS)
+    return cut(key_BxSxKxD), cut(value_BxSxKxD), segments, offset - start
+
+
+def round_up_to(n: int, multiple: int) -> int:
+    """n rounded up to a multiple; written so that for a symbolic n >= 1 (`jax.export`)
+    jax can tell the result holds at least one multiple."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+def all_known(*sizes) -> bool:
+    """Whether every size is a number (not a symbolic dimension of `jax.export`)."""
+    return all(isinstance(size, int) for size in sizes)

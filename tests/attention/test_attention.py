@@ -14,8 +14,8 @@ import pytest
 
 from bam_jax import blockwise
 from bam_jax.attention import dot_product_attention
-from bam_jax.blockwise import window_keys
 from bam_jax.implementation import resolve_implementation
+from bam_jax.masking import window_keys
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes, init_ggd_prior
 from tests.support.grids import slow_unless
 
