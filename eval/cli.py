@@ -126,6 +126,19 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _length_options(parser: argparse.ArgumentParser, *, samples: int) -> None:
+    """The prompt lengths of a sweep (absolute, or multiples of each model's training
+    length) and its samples per length."""
+    parser.add_argument("--lengths", type=_csv(parse_count), default=None, help="e.g. 0,1k,4k")
+    parser.add_argument(
+        "--multiples",
+        type=_csv(_positive_float),
+        default=None,
+        help="multiples of each model's training length, e.g. 1,2,4,500",
+    )
+    parser.add_argument("--samples", type=positive, default=samples, help="samples per length")
+
+
 def _inference_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=positive, default=512, help="prefill chunk (tokens)")
     parser.add_argument(
@@ -169,14 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(pk)
     _inference_options(pk)
-    pk.add_argument("--lengths", type=_csv(parse_count), default=None, help="e.g. 0,1k,4k")
-    pk.add_argument(
-        "--multiples",
-        type=_csv(_positive_float),
-        default=None,
-        help="multiples of each model's training length, e.g. 1,2,4,500",
-    )
-    pk.add_argument("--samples", type=positive, default=10, help="samples per length")
+    _length_options(pk, samples=10)
     pk.add_argument(
         "--sampling",
         type=_csv(_sampling),
@@ -209,14 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(cp)
     _inference_options(cp)
-    cp.add_argument("--lengths", type=_csv(parse_count), default=None, help="e.g. 256,4k")
-    cp.add_argument(
-        "--multiples",
-        type=_csv(_positive_float),
-        default=None,
-        help="multiples of each model's training length, e.g. 1,2,4,500",
-    )
-    cp.add_argument("--samples", type=positive, default=20, help="samples per length")
+    _length_options(cp, samples=20)
     cp.add_argument(
         "--sampling", type=_sampling, default="equidistant", help="definition depth rule"
     )

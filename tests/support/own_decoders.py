@@ -6,6 +6,7 @@ depend on the FIRST_WINDOW tokens before it and itself in a one-layer decoder.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -45,6 +46,23 @@ def empty_cache(batch: int, capacity: int, n_layers: int = 2) -> bam_jax.KVCache
     )
 
 
+def attend(
+    attention: Callable,
+    x_BxTxE: jax.Array,
+    cache: bam_jax.KVCache | None,
+    layer: int,
+    keys: list,
+    values: list,
+) -> tuple[jax.Array, list, list]:
+    """x plus layer `layer`'s attention, without a cache or reading and extending one:
+    (x [B, T, E], the keys and values written so far)."""
+    if cache is None:
+        return x_BxTxE + attention(x_BxTxE), keys, values
+    kv = (cache.keys[layer], cache.values[layer])
+    y_BxTxE, (k, v) = attention(x_BxTxE, kv=kv, cache_length=cache.length)
+    return x_BxTxE + y_BxTxE, [*keys, k], [*values, v]
+
+
 class NNXDecoder(nnx.Module):
     """Embedding, n_layers of (residual attention, residual feed-forward), output layer."""
 
@@ -74,12 +92,7 @@ class NNXDecoder(nnx.Module):
         x_BxTxE = self.embed(tokens_BxT)
         keys, values = [], []
         for i, (attention, mlp) in enumerate(zip(self.attention, self.mlp, strict=True)):
-            if cache is None:
-                x_BxTxE = x_BxTxE + attention(x_BxTxE)
-            else:
-                kv = (cache.keys[i], cache.values[i])
-                y_BxTxE, (k, v) = attention(x_BxTxE, kv=kv, cache_length=cache.length)
-                x_BxTxE, keys, values = x_BxTxE + y_BxTxE, [*keys, k], [*values, v]
+            x_BxTxE, keys, values = attend(attention, x_BxTxE, cache, i, keys, values)
             x_BxTxE = x_BxTxE + jax.nn.gelu(mlp(x_BxTxE))
         logits_BxTxV = self.out(x_BxTxE)
         if cache is None:
@@ -105,12 +118,7 @@ class LinenDecoder(nn.Module):
         for i in range(self.n_layers):
             spec = layer_spec(i, self.implementation)
             attention = linen_attention(config, spec=spec, name=f"attention{i}")
-            if cache is None:
-                x_BxTxE = x_BxTxE + attention(x_BxTxE)
-            else:
-                kv = (cache.keys[i], cache.values[i])
-                y_BxTxE, (k, v) = attention(x_BxTxE, kv=kv, cache_length=cache.length)
-                x_BxTxE, keys, values = x_BxTxE + y_BxTxE, [*keys, k], [*values, v]
+            x_BxTxE, keys, values = attend(attention, x_BxTxE, cache, i, keys, values)
             x_BxTxE = x_BxTxE + jax.nn.gelu(nn.Dense(WIDTH, dtype=dtype)(x_BxTxE))
         logits_BxTxV = nn.Dense(VOCAB, dtype=dtype)(x_BxTxE)
         if cache is None:
@@ -122,5 +130,6 @@ class LinenDecoder(nn.Module):
 def linen_as_nnx(decoder: LinenDecoder, tokens_BxT: jax.Array) -> nnx.Module:
     """The Linen decoder with its variables as an NNX module (what `prefill` takes)."""
     model = nnx.bridge.ToNNX(decoder, rngs=nnx.Rngs(0))
-    nnx.bridge.lazy_init(model, tokens_BxT)
+    with nnx.use_eager_sharding(False):
+        nnx.bridge.lazy_init(model, tokens_BxT)
     return model
