@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import pytest
 from bam_configs.presets import preset
 from bam_train.data import BatchLayout, train_iterator
 from tests.support import REPO_ROOT
+from tests.support.train_runs import free_port
 
 REPO = str(REPO_ROOT)
 SAVED_STEP, STEPS = 2, 4
@@ -61,14 +61,8 @@ def _train(workdir: str, mesh: tuple[int, int, int]) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _train_two_processes(workdir: str, mesh: tuple[int, int, int]) -> None:
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [

@@ -3,7 +3,6 @@ a subprocess) and over two processes."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from bam_configs.training import MeshConfig
 from bam_train.sharding import logical_to_spec, make_mesh
 from tests.support import REPO_ROOT
 from tests.support.host_devices import host_devices_result, run_on_host_devices
+from tests.support.train_runs import free_port
 
 REPO = str(REPO_ROOT)
 
@@ -81,12 +81,6 @@ def test_meshes_give_the_same_losses_as_one_device():
         np.testing.assert_allclose(losses, reference, rtol=1e-5, err_msg=f"mesh {mesh}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _train_args(workdir: str) -> list[str]:
     return [
         "--config=micro",
@@ -107,7 +101,7 @@ def _losses(workdir: str) -> list[float]:
 @pytest.mark.slow
 def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
     multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
