@@ -62,6 +62,7 @@ from bam_jax.kernels.gpu_backward import fused_gpu_backward
 from bam_jax.kernels.partitioning import (
     FORWARD_OPERAND_ROLES,
     FORWARD_RESULT_ROLES,
+    kernel_operand,
     partitioned_by_batch_and_heads,
 )
 from bam_jax.kernels.prior_table import prior_table as prior_table_of
@@ -328,12 +329,12 @@ def _kernel_forward(config: KernelConfig, q, k, v, inputs: AttentionInputs, deri
     if not FUSED_BACKENDS[config.backend].pallas:
         out, lse = cpu_forward(config, q, k, v, inputs, derived, head_params)
         return out.astype(q.dtype), lse
-    operands = _placeholders_for_absent(
-        (derived.prior_table_HxX, jnp.float32),
-        (head_params, jnp.float32),
-        (derived.log_n_BxT, jnp.float32),
-        (inputs.query_segment_ids_BxT, jnp.int32),
-        (inputs.key_segment_ids_BxS, jnp.int32),
+    operands = (
+        kernel_operand(derived.prior_table_HxX, jnp.float32),
+        head_params,
+        kernel_operand(derived.log_n_BxT, jnp.float32),
+        kernel_operand(inputs.query_segment_ids_BxT, jnp.int32),
+        kernel_operand(inputs.key_segment_ids_BxS, jnp.int32),
     )
     forward = functools.partial(_pallas_forward, config)
     if not (config.interpret and FUSED_BACKENDS[config.backend].interpret_has_callbacks):
@@ -341,12 +342,6 @@ def _kernel_forward(config: KernelConfig, q, k, v, inputs: AttentionInputs, deri
             forward, FORWARD_OPERAND_ROLES, FORWARD_RESULT_ROLES
         )
     return forward(q, k, v, *operands, _offset_1(inputs))
-
-
-def _placeholders_for_absent(*arrays: tuple[jax.Array | None, jnp.dtype]) -> list[jax.Array]:
-    """Each array, or a [1, 1] placeholder of its dtype where it is absent: the kernels'
-    operand lists are fixed (FORWARD_OPERAND_ROLES)."""
-    return [jnp.zeros((1, 1), dtype) if x is None else x for x, dtype in arrays]
 
 
 def _offset_1(inputs: AttentionInputs) -> jax.Array:
@@ -442,10 +437,10 @@ def _fused_backward(config: KernelConfig, residuals, d_out):
         return vary_together(head_params, q, k, v)
 
     head_params, params_vjp = jax.vjp(columns, inputs.prior, inputs.ssmax_scale_H)
-    rows = _placeholders_for_absent(
-        (derived.log_n_BxT, jnp.float32),
-        (inputs.query_segment_ids_BxT, jnp.int32),
-        (inputs.key_segment_ids_BxS, jnp.int32),
+    rows = (
+        kernel_operand(derived.log_n_BxT, jnp.float32),
+        kernel_operand(inputs.query_segment_ids_BxT, jnp.int32),
+        kernel_operand(inputs.key_segment_ids_BxS, jnp.int32),
     )
     backward = partitioned_by_batch_and_heads(
         functools.partial(_gpu_backward_shard, config),

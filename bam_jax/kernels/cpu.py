@@ -53,6 +53,7 @@ from bam_jax.kernels.backend import FusedBackend
 from bam_jax.kernels.partitioning import (
     FORWARD_OPERAND_ROLES,
     FORWARD_RESULT_ROLES,
+    kernel_operand,
     partitioned_by_batch_and_heads,
 )
 from bam_jax.kernels.tile_math import DerivedInputs, KernelConfig
@@ -169,13 +170,9 @@ def cpu_forward(
     copies."""
     _register()
     head_dim = q_BxTxHxD.shape[3]
-    placeholder_f32 = jnp.zeros((1, 1), jnp.float32)
-    placeholder_i32 = jnp.zeros((1, 1), jnp.int32)
-    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     qkv = functools.partial(jnp.asarray, dtype=_input_dtype(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD))
-    table_HxX, log_n_BxT = derived.prior_table_HxX, derived.log_n_BxT
-    q_seg_BxT, k_seg_BxS = inputs.query_segment_ids_BxT, inputs.key_segment_ids_BxS
+    table_HxX = derived.prior_table_HxX
+    table_reversed_HxX = None if table_HxX is None else jnp.flip(table_HxX, axis=1)
     mask = config.mask
     return partitioned_by_batch_and_heads(
         _kernel_call, FORWARD_OPERAND_ROLES, FORWARD_RESULT_ROLES
@@ -183,12 +180,12 @@ def cpu_forward(
         qkv(q_BxTxHxD),
         qkv(k_BxSxKxD),
         qkv(v_BxSxKxD),
-        placeholder_f32 if table_HxX is None else f32(table_HxX)[:, ::-1],
-        f32(head_params_HxP),
-        placeholder_f32 if log_n_BxT is None else f32(log_n_BxT),
-        placeholder_i32 if q_seg_BxT is None else i32(q_seg_BxT),
-        placeholder_i32 if k_seg_BxS is None else i32(k_seg_BxS),
-        i32(jnp.reshape(inputs.query_offset, (1,))),
+        kernel_operand(table_reversed_HxX, jnp.float32),
+        kernel_operand(head_params_HxP, jnp.float32),
+        kernel_operand(derived.log_n_BxT, jnp.float32),
+        kernel_operand(inputs.query_segment_ids_BxT, jnp.int32),
+        kernel_operand(inputs.key_segment_ids_BxS, jnp.int32),
+        kernel_operand(jnp.reshape(inputs.query_offset, (1,)), jnp.int32),
         causal=np.int64(mask.causal),
         window=np.int64(-1 if mask.window is None else min(mask.window, _INT32_MAX)),
         kv_len=np.int64(mask.kv_len),
