@@ -21,6 +21,7 @@ Digits are literal sizes (`log_n_Bx1xT`, `head_params_Hx8`).
 import importlib.metadata
 
 from bam_jax.attention import dot_product_attention, reference_attention
+from bam_jax.attention_inputs import AttentionInputs
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.config import ENCODINGS, Encoding, ModelConfig
 from bam_jax.inference import decode_step, generate, init_cache, prefill
@@ -56,6 +57,7 @@ __all__ = [
     "PRIOR_PRESETS",
     "AlibiPrior",
     "Attention",
+    "AttentionInputs",
     "AttentionSpec",
     "Encoding",
     "GGDPrior",

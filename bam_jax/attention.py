@@ -26,10 +26,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from bam_jax.attention_inputs import checked_attention
+from bam_jax.attention_inputs import AttentionInputs, checked_attention, run_checked
 from bam_jax.attention_spec import AttentionSpec
-from bam_jax.blockwise import blockwise_attention
-from bam_jax.fused_attention import fused_attention, has_symbolic_shape
+from bam_jax.blockwise import attend_blockwise
+from bam_jax.fused_attention import attend_fused, has_symbolic_shape
 from bam_jax.implementation import resolve_implementation
 from bam_jax.masking import log_visible_count, visibility_mask
 from bam_jax.priors import Prior
@@ -86,19 +86,7 @@ def dot_product_attention(
         None if x is None else jnp.asarray(x)
         for x in (ssmax_scale_H, query_segment_ids_BxT, key_segment_ids_BxS)
     )
-    choice = spec.implementation
-    if choice == "auto" and has_symbolic_shape(query_BxTxHxD, key_BxSxKxD):
-        choice = "blockwise"  # the fused kernel needs concrete shapes
-    implementation = {
-        "reference": reference_attention,
-        "blockwise": blockwise_attention,
-        "fused": fused_attention,
-    }[resolve_implementation(choice)]
-    return implementation(
-        query_BxTxHxD,
-        key_BxSxKxD,
-        value_BxSxKxD,
-        spec,
+    inputs = AttentionInputs(
         prior=prior,
         ssmax_scale_H=ssmax_scale_H,
         ssmax_max_count=ssmax_max_count,
@@ -106,6 +94,15 @@ def dot_product_attention(
         key_segment_ids_BxS=key_segment_ids_BxS,
         query_offset=query_offset,
     )
+    choice = spec.implementation
+    if choice == "auto" and has_symbolic_shape(query_BxTxHxD, key_BxSxKxD):
+        choice = "blockwise"  # the fused kernel needs concrete shapes
+    implementation = {
+        "reference": attend_reference,
+        "blockwise": attend_blockwise,
+        "fused": attend_fused,
+    }[resolve_implementation(choice)]
+    return run_checked(implementation, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, spec, inputs)
 
 
 def _spec_of(spec: AttentionSpec | None, fields: dict) -> AttentionSpec:
@@ -126,19 +123,12 @@ def _spec_of(spec: AttentionSpec | None, fields: dict) -> AttentionSpec:
     return spec
 
 
-@checked_attention
-def reference_attention(
+def attend_reference(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
     value_BxSxKxD: jax.Array,
     spec: AttentionSpec,
-    *,
-    prior: Prior | None,
-    ssmax_scale_H: jax.Array | None,
-    ssmax_max_count: int | jax.Array | None,
-    query_segment_ids_BxT: jax.Array | None,
-    key_segment_ids_BxS: jax.Array | None,
-    query_offset: int | jax.Array,
+    inputs: AttentionInputs,
 ) -> jax.Array:
     """The oracle: materialises the [B, H, T, S] logits."""
     batch, q_len, num_heads, head_dim = query_BxTxHxD.shape
@@ -151,21 +141,22 @@ def reference_attention(
     logits_BxHxTxS = logits_BxKxGxTxS.reshape(batch, num_heads, q_len, kv_len)
     logits_BxHxTxS = logits_BxHxTxS / jnp.float32(math.sqrt(head_dim))
 
-    query_positions_T = jnp.arange(q_len) + query_offset
+    query_positions_T = jnp.arange(q_len) + inputs.query_offset
     key_positions_S = jnp.arange(kv_len)
     mask_BxTxS = visibility_mask(
         spec.mask(kv_len),
         query_positions_T,
         key_positions_S,
-        query_segment_ids_BxT,
-        key_segment_ids_BxS,
+        inputs.query_segment_ids_BxT,
+        inputs.key_segment_ids_BxS,
     )
+    prior, ssmax_scale_H = inputs.prior, inputs.ssmax_scale_H
     bias_HxTxS = None
     if prior is not None:
         bias_HxTxS = prior.bias(key_positions_S[None, :] - query_positions_T[:, None])
     if ssmax_scale_H is not None:
         visible_BxT = mask_BxTxS.sum(-1)
-        log_n_Bx1xT = log_visible_count(visible_BxT, ssmax_max_count)[:, None, :]
+        log_n_Bx1xT = log_visible_count(visible_BxT, inputs.ssmax_max_count)[:, None, :]
         factor_BxHxT = ssmax_scale_H.astype(jnp.float32)[None, :, None] * log_n_Bx1xT
         factor_BxHxTx1 = factor_BxHxT[..., None]
         if bias_HxTxS is not None and spec.ssmax_prior_inside:
@@ -193,3 +184,6 @@ def reference_attention(
         preferred_element_type=jnp.float32,
     )
     return out_BxTxKxGxD.reshape(batch, q_len, num_heads, head_dim).astype(query_BxTxHxD.dtype)
+
+
+reference_attention = checked_attention(attend_reference, "reference_attention")

@@ -1,73 +1,107 @@
-"""Argument checks shared by every attention implementation.
+"""The per-call inputs of an attention call, and the checks every implementation shares.
 
+`AttentionInputs` holds the arrays that change from call to call or are learned (the
+prior, the SSMax scales and count cap, the segment ids, the query offset), beside the
+static `AttentionSpec`. It is a pytree, so it passes through `jax.jit`, `jax.vmap` and a
+custom VJP's residuals as one value. Every implementation is a function
+`(query, key, value, spec, inputs)`; `checked_attention` gives it the public keyword form
+(`prior=..., ssmax_scale_H=..., ...`), builds the `AttentionInputs` and checks it once.
 Only shapes, dtypes and Python values are read, so under jit the checks cost nothing at
-run time. Each public implementation (`reference_attention`, `blockwise_attention`,
-`fused_attention`) is wrapped in `checked_attention`, which runs them once;
-`dot_product_attention` leaves them to the one it dispatches to. The static choices
-(`AttentionSpec`) check themselves when built.
+run time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bam_jax.attention_spec import AttentionSpec
+from bam_jax.masking import window_keys
 from bam_jax.priors import Prior
 
 
-def check_attention_inputs(
-    query_BxTxHxD: jax.Array,
-    key_BxSxKxD: jax.Array,
-    value_BxSxKxD: jax.Array,
-    *,
-    prior: Prior | None,
-    ssmax_scale_H: jax.Array | None,
-    ssmax_max_count: int | jax.Array | None,
-    query_segment_ids_BxT: jax.Array | None,
-    key_segment_ids_BxS: jax.Array | None,
-    query_offset: int | jax.Array,
-) -> None:
-    """Raises ValueError (shapes, values) or TypeError (dtypes) naming the bad argument.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """The per-call arrays of an attention call (every field a pytree leaf or subtree).
 
-    Only shapes, dtypes and Python values are read, so under jit this costs nothing at
-    run time. The static choices are checked when their `AttentionSpec` is built.
+    prior: a positional prior (`GGDPrior`, `AlibiPrior`, anything with `bias(distance)`),
+        or None.
+    ssmax_scale_H: Scalable-Softmax scales s_h [H], or None for a plain softmax.
+    ssmax_max_count: the cap on SSMax's key count n_i (an integer scalar), or None.
+    query_segment_ids_BxT, key_segment_ids_BxS: document ids (negative: padding), both or
+        neither.
+    query_offset: the position of the first query (an integer scalar, may be traced).
     """
-    _check_qkv(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD)
-    batch, q_len, num_heads, _ = query_BxTxHxD.shape
-    kv_len = key_BxSxKxD.shape[1]
-    if prior is not None:
-        _check_prior(prior, num_heads)
-    if ssmax_scale_H is not None and jnp.shape(ssmax_scale_H) != (num_heads,):
-        raise ValueError(
-            f"ssmax_scale_H must have shape ({num_heads},) (one per query head), "
-            f"got {jnp.shape(ssmax_scale_H)}"
+
+    prior: Prior | None = None
+    ssmax_scale_H: jax.Array | None = None
+    ssmax_max_count: int | jax.Array | None = None
+    query_segment_ids_BxT: jax.Array | None = None
+    key_segment_ids_BxS: jax.Array | None = None
+    query_offset: int | jax.Array = 0
+
+    @property
+    def has_documents(self) -> bool:
+        return self.query_segment_ids_BxT is not None
+
+    @property
+    def has_ssmax(self) -> bool:
+        return self.ssmax_scale_H is not None
+
+    def replace(self, **changes) -> AttentionInputs:
+        return dataclasses.replace(self, **changes)
+
+    def check(
+        self, query_BxTxHxD: jax.Array, key_BxSxKxD: jax.Array, value_BxSxKxD: jax.Array
+    ) -> None:
+        """Raises ValueError (shapes, values) or TypeError (dtypes) naming the bad argument,
+        for these inputs beside this query, key and value."""
+        _check_qkv(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD)
+        batch, q_len, num_heads, _ = query_BxTxHxD.shape
+        kv_len = key_BxSxKxD.shape[1]
+        if self.prior is not None:
+            _check_prior(self.prior, num_heads)
+        if self.ssmax_scale_H is not None and jnp.shape(self.ssmax_scale_H) != (num_heads,):
+            raise ValueError(
+                f"ssmax_scale_H must have shape ({num_heads},) (one per query head), "
+                f"got {jnp.shape(self.ssmax_scale_H)}"
+            )
+        if self.ssmax_max_count is not None:
+            _check_ssmax_max_count(self.ssmax_max_count, self.ssmax_scale_H)
+        _check_segment_ids(
+            self.query_segment_ids_BxT, self.key_segment_ids_BxS, batch, q_len, kv_len
         )
-    if ssmax_max_count is not None:
-        _check_ssmax_max_count(ssmax_max_count, ssmax_scale_H)
-    _check_segment_ids(query_segment_ids_BxT, key_segment_ids_BxS, batch, q_len, kv_len)
-    _check_query_offset(query_offset)
+        _check_query_offset(self.query_offset)
 
 
-def checked_attention(implementation: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """`implementation(query, key, value, spec, *, prior, ssmax_scale_H, ssmax_max_count,
-    query_segment_ids_BxT, key_segment_ids_BxS, query_offset, **options)` (a spec of None
-    is `AttentionSpec()`) with its
-    arguments checked first, and zeros of the query's shape returned without running it
-    when there are no queries or no keys. `options` are the implementation's own (the
-    fused kernel's backend and launch parameters).
+class AttentionImplementation(Protocol):
+    def __call__(
+        self,
+        query_BxTxHxD: jax.Array,
+        key_BxSxKxD: jax.Array,
+        value_BxSxKxD: jax.Array,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        **options,
+    ) -> jax.Array: ...
 
-    Query, key and value wider than float32 (float64 under x64) are rounded to float32
-    before the implementation runs, and its output is returned in the query's dtype:
-    every implementation computes in float32 at most (docs/precision.md).
+
+def checked_attention(
+    implementation: AttentionImplementation, name: str
+) -> Callable[..., jax.Array]:
+    """`implementation` in the public keyword form, named `name`:
+    `name(query, key, value, spec=None, *, prior=None, ssmax_scale_H=None,
+    ssmax_max_count=None, query_segment_ids_BxT=None, key_segment_ids_BxS=None,
+    query_offset=0, **options)` (a spec of None is `AttentionSpec()`; `options` are the
+    implementation's own, e.g. the fused kernel's backend and launch parameters).
     """
 
-    @functools.wraps(implementation)
     def run(
         query_BxTxHxD: jax.Array,
         key_BxSxKxD: jax.Array,
@@ -82,12 +116,7 @@ def checked_attention(implementation: Callable[..., jax.Array]) -> Callable[...,
         query_offset: int | jax.Array = 0,
         **options,
     ) -> jax.Array:
-        spec = AttentionSpec() if spec is None else spec
-        if not isinstance(spec, AttentionSpec):
-            raise TypeError(
-                f"spec must be a bam_jax.AttentionSpec (causal, window, ...), got {spec!r}"
-            )
-        arrays = dict(
+        inputs = AttentionInputs(
             prior=prior,
             ssmax_scale_H=ssmax_scale_H,
             ssmax_max_count=ssmax_max_count,
@@ -95,14 +124,66 @@ def checked_attention(implementation: Callable[..., jax.Array]) -> Callable[...,
             key_segment_ids_BxS=key_segment_ids_BxS,
             query_offset=query_offset,
         )
-        check_attention_inputs(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, **arrays)
-        if has_no_queries_or_keys(query_BxTxHxD, key_BxSxKxD):
-            return jnp.zeros(query_BxTxHxD.shape, query_BxTxHxD.dtype)
-        qkv = (_at_most_float32(x) for x in (query_BxTxHxD, key_BxSxKxD, value_BxSxKxD))
-        out = implementation(*qkv, spec, **arrays, **options)
-        return out.astype(query_BxTxHxD.dtype)
+        return run_checked(
+            implementation, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, spec, inputs, **options
+        )
 
+    run.__name__ = run.__qualname__ = name
+    run.__module__ = implementation.__module__
+    run.__doc__ = implementation.__doc__
     return run
+
+
+def run_checked(
+    implementation: AttentionImplementation,
+    query_BxTxHxD: jax.Array,
+    key_BxSxKxD: jax.Array,
+    value_BxSxKxD: jax.Array,
+    spec: AttentionSpec | None,
+    inputs: AttentionInputs,
+    **options,
+) -> jax.Array:
+    """`implementation` with its arguments checked first, and zeros of the query's shape
+    returned without running it when there are no queries or no keys.
+
+    Query, key and value wider than float32 (float64 under x64) are rounded to float32
+    before the implementation runs, and its output is returned in the query's dtype:
+    every implementation computes in float32 at most (docs/precision.md).
+    """
+    spec = AttentionSpec() if spec is None else spec
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"spec must be a bam_jax.AttentionSpec (causal, window, ...), got {spec!r}")
+    inputs.check(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD)
+    if has_no_queries_or_keys(query_BxTxHxD, key_BxSxKxD):
+        return jnp.zeros(query_BxTxHxD.shape, query_BxTxHxD.dtype)
+    qkv = (_at_most_float32(x) for x in (query_BxTxHxD, key_BxSxKxD, value_BxSxKxD))
+    out = implementation(*qkv, spec, inputs, **options)
+    return out.astype(query_BxTxHxD.dtype)
+
+
+def keys_in_window(
+    key_BxSxKxD: jax.Array,
+    value_BxSxKxD: jax.Array,
+    spec: AttentionSpec,
+    inputs: AttentionInputs,
+    *,
+    q_len: int,
+    block_k: int,
+) -> tuple[jax.Array, jax.Array, AttentionInputs]:
+    """Keys, values and inputs cut to the key blocks the spec's causal window lets the
+    queries see (`bam_jax.masking.window_keys`); unchanged without such a window."""
+    key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset = window_keys(
+        key_BxSxKxD,
+        value_BxSxKxD,
+        inputs.key_segment_ids_BxS,
+        inputs.query_offset,
+        q_len=q_len,
+        causal=spec.causal,
+        window=spec.window,
+        block_k=block_k,
+    )
+    inputs = inputs.replace(key_segment_ids_BxS=key_segment_ids_BxS, query_offset=query_offset)
+    return key_BxSxKxD, value_BxSxKxD, inputs
 
 
 def _at_most_float32(x: jax.Array) -> jax.Array:

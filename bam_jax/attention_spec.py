@@ -5,7 +5,8 @@ An `AttentionSpec` holds the static choices (the mask's causality and window, wh
 SSMax scales the prior, the implementation and its tiles). It is frozen and hashable, so
 it is a jit static argument, and it checks its fields when built, before anything
 traces. The values that change from call to call or are learned (the prior, the SSMax
-scale and count cap, segment ids, the query offset) are arrays passed beside it.
+scale and count cap, segment ids, the query offset) travel beside it as
+`AttentionInputs` (bam_jax/attention_inputs.py).
 `ModelConfig.attention_spec(layer)` builds a model layer's spec.
 """
 

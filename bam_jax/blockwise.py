@@ -46,17 +46,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bam_jax.attention_inputs import checked_attention
+from bam_jax.attention_inputs import AttentionInputs, checked_attention, keys_in_window
 from bam_jax.attention_spec import AttentionSpec
+from bam_jax.kernels.prior_table import prior_table_distances
 from bam_jax.masking import (
     PADDING_SEGMENT,
     AttentionMask,
     all_known,
     log_visible_count,
     round_up_to,
-    window_keys,
 )
-from bam_jax.priors import Prior
 from bam_jax.pytrees import vary_together
 
 DEFAULT_BLOCK = 256
@@ -92,19 +91,12 @@ class _Padded(NamedTuple):
     single_key: jax.Array  # bool [B or 1, T]: the query sees exactly one key (backward only)
 
 
-@checked_attention
-def blockwise_attention(
+def attend_blockwise(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
     value_BxSxKxD: jax.Array,
     spec: AttentionSpec,
-    *,
-    prior: Prior | None,
-    ssmax_scale_H: jax.Array | None,
-    ssmax_max_count: int | jax.Array | None,
-    query_segment_ids_BxT: jax.Array | None,
-    key_segment_ids_BxS: jax.Array | None,
-    query_offset: int | jax.Array,
+    inputs: AttentionInputs,
 ) -> jax.Array:
     """Same function as `reference_attention`, in memory linear in T and S.
 
@@ -112,14 +104,12 @@ def blockwise_attention(
     where these are known (a symbolic length of `jax.export` is padded to whole tiles).
     """
     block_k = spec.block_k or DEFAULT_BLOCK
-    key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset = window_keys(
+    key_BxSxKxD, value_BxSxKxD, inputs = keys_in_window(
         key_BxSxKxD,
         value_BxSxKxD,
-        key_segment_ids_BxS,
-        query_offset,
+        spec,
+        inputs,
         q_len=query_BxTxHxD.shape[1],
-        causal=spec.causal,
-        window=spec.window,
         block_k=capped_block(block_k, key_BxSxKxD.shape[1]),
     )
     static = _static(
@@ -130,24 +120,19 @@ def blockwise_attention(
         spec.block_q or DEFAULT_BLOCK,
         block_k,
     )
-    padded = _pad_inputs(
-        static,
-        query_BxTxHxD,
-        key_BxSxKxD,
-        value_BxSxKxD,
-        query_segment_ids_BxT,
-        key_segment_ids_BxS,
-        query_offset,
-        ssmax=ssmax_scale_H is not None,
-        ssmax_max_count=ssmax_max_count,
-    )
-    scale_KxG = None if ssmax_scale_H is None else _scale_by_kv_head(static, ssmax_scale_H)
+    padded = _pad_inputs(static, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, inputs)
+    scale_KxG = None
+    if inputs.has_ssmax:
+        scale_KxG = _scale_by_kv_head(static, inputs.ssmax_scale_H)
     bias_table = None
-    if prior is not None:
-        bias_table = prior.bias(_table_distances(static, padded.k.shape[1], padded.offset))
+    if inputs.prior is not None:
+        bias_table = inputs.prior.bias(_table_distances(static, padded))
     bias_table, scale_KxG, padded = vary_together((bias_table, scale_KxG, padded))
     out = _per_batch_row(_attention, static, bias_table, scale_KxG, padded)
     return out[:, : query_BxTxHxD.shape[1]]
+
+
+blockwise_attention = checked_attention(attend_blockwise, "blockwise_attention")
 
 
 def _per_batch_row(attention, static: _Static, bias_table, scale, padded: _Padded) -> jax.Array:
@@ -204,36 +189,23 @@ def flash_backward(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
     value_BxSxKxD: jax.Array,
-    prior: Prior | None,
-    ssmax_scale_H: jax.Array | None,
-    query_segment_ids_BxT: jax.Array | None,
-    key_segment_ids_BxS: jax.Array | None,
-    query_offset: jax.Array,
+    spec: AttentionSpec,
+    inputs: AttentionInputs,
     out_BxTxHxD: jax.Array,
     lse_BxHxT: jax.Array,
     d_out_BxTxHxD: jax.Array,
     *,
-    mask: AttentionMask,
-    prior_inside: bool,
     block: int,
-    ssmax_max_count: int | jax.Array | None = None,
 ):
     """Cotangents (dq, dk, dv, dprior, dssmax) of an attention forward computed elsewhere
-    (the Pallas kernels), from its output and natural-log log-sum-exp (+inf for rows
-    that see no key), by the blockwise backward on tiles of at most `block` rows/keys."""
+    (the fused kernels), from its output and natural-log log-sum-exp (+inf for rows that
+    see no key), by the blockwise backward on tiles of at most `block` rows/keys. The
+    keys are those the forward read (a window's cut included): the mask is
+    `spec.mask(key_BxSxKxD.shape[1])`."""
     q_len, kv_len = query_BxTxHxD.shape[1], key_BxSxKxD.shape[1]
+    mask, prior_inside = spec.mask(kv_len), spec.ssmax_prior_inside
     static = _static(mask, prior_inside, query_BxTxHxD.shape, key_BxSxKxD.shape, block, block)
-    padded = _pad_inputs(
-        static,
-        query_BxTxHxD,
-        key_BxSxKxD,
-        value_BxSxKxD,
-        query_segment_ids_BxT,
-        key_segment_ids_BxS,
-        query_offset,
-        ssmax=ssmax_scale_H is not None,
-        ssmax_max_count=ssmax_max_count,
-    )
+    padded = _pad_inputs(static, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, inputs)
     q_pad = static.q_len_padded - q_len
     out, d_out = (_pad_axis1(x, q_pad, 0) for x in (out_BxTxHxD, d_out_BxTxHxD))
     lse = jnp.pad(lse_BxHxT, ((0, 0), (0, 0), (0, q_pad)), constant_values=jnp.inf)
@@ -241,13 +213,14 @@ def flash_backward(
     # the prior and the scales vary with the heads only, so they are cast to vary with the
     # tiles inside their VJPs, whose transposes then sum their gradients over the batch.
     padded, out, lse, d_out = vary_together((padded, out, lse, d_out))
+    prior, ssmax_scale_H = inputs.prior, inputs.ssmax_scale_H
     scale_KxG, scale_vjp, bias_table, table_vjp = None, None, None, None
     if ssmax_scale_H is not None:
         scale_KxG, scale_vjp = jax.vjp(
             lambda s: vary_together(_scale_by_kv_head(static, s), padded), ssmax_scale_H
         )
     if prior is not None:
-        distances = _table_distances(static, padded.k.shape[1], padded.offset)
+        distances = _table_distances(static, padded)
         bias_table, table_vjp = jax.vjp(lambda p: vary_together(p.bias(distances), padded), prior)
     dq, dk, dv, d_table, d_scale = _backward_per_row(
         static, (bias_table, scale_KxG, padded, out, lse), d_out
@@ -280,27 +253,21 @@ def _static(
 
 
 def _pad_inputs(
-    static: _Static,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_seg: jax.Array | None,
-    k_seg: jax.Array | None,
-    query_offset,
-    *,
-    ssmax: bool,
-    ssmax_max_count: int | jax.Array | None = None,
+    static: _Static, q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionInputs
 ) -> _Padded:
     q_len = q.shape[1]
     q_pad = static.q_len_padded - q_len
     kv_pad = round_up_to(k.shape[1], static.block_k) - k.shape[1]
-    offset = jnp.asarray(query_offset, jnp.int32)
+    offset = jnp.asarray(inputs.query_offset, jnp.int32)
+    q_seg, k_seg = inputs.query_segment_ids_BxT, inputs.key_segment_ids_BxS
     if q_seg is not None:
         q_seg = _pad_axis1(q_seg.astype(jnp.int32), q_pad, PADDING_SEGMENT)
         k_seg = _pad_axis1(k_seg.astype(jnp.int32), kv_pad, PADDING_SEGMENT)
     # Counted once for SSMax and the backward (a forward alone drops what it does not use).
     counts_BxT = static.mask.visible_counts(static.q_len_padded, offset, q_seg, k_seg)
-    log_n = log_visible_count(counts_BxT, ssmax_max_count) if ssmax else None
+    log_n = None
+    if inputs.has_ssmax:
+        log_n = log_visible_count(counts_BxT, inputs.ssmax_max_count)
     return _Padded(
         q=_pad_axis1(q, q_pad, 0),
         k=_pad_axis1(k, kv_pad, 0),
@@ -430,15 +397,10 @@ _toeplitz.defvjp(
 )
 
 
-def _table_distances(static: _Static, kv_len_padded: int, offset) -> jax.Array:
-    """Every distance k_pos - q_pos a tile can hold, ascending, float32 [X], X = S + T - 1.
-
-    Entry t is the distance t - (T - 1) - offset, so the tile of (q_start, k_start)
-    starts at entry `_table_start` whatever the offset is.
-    """
-    size = kv_len_padded + static.q_len_padded - 1
-    first = -(static.q_len_padded - 1) - offset
-    return (first + jnp.arange(size, dtype=jnp.int32)).astype(jnp.float32)
+def _table_distances(static: _Static, padded: _Padded) -> jax.Array:
+    """Every distance k_pos - q_pos a tile can hold, ascending, float32 [X], X = S + T - 1:
+    the tile of (q_start, k_start) starts at entry `_table_start` whatever the offset is."""
+    return prior_table_distances(static.q_len_padded, padded.k.shape[1], padded.offset)
 
 
 def _table_start(static: _Static, q_start, k_start) -> jax.Array:

@@ -52,9 +52,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bam_jax.attention_inputs import checked_attention
+from bam_jax.attention_inputs import AttentionInputs, checked_attention, keys_in_window
 from bam_jax.attention_spec import AttentionSpec
-from bam_jax.blockwise import blockwise_attention, flash_backward
+from bam_jax.blockwise import attend_blockwise, flash_backward
 from bam_jax.kernels.backend import BLOCKWISE_BACKWARD_BLOCK, FusedBackend
 from bam_jax.kernels.cpu import cpu_forward
 from bam_jax.kernels.gpu import gpu_forward
@@ -62,6 +62,7 @@ from bam_jax.kernels.gpu_backward import fused_gpu_backward
 from bam_jax.kernels.partitioning import (
     FORWARD_OPERAND_ROLES,
     FORWARD_RESULT_ROLES,
+    kernel_operand,
     partitioned_by_batch_and_heads,
 )
 from bam_jax.kernels.prior_table import prior_table as prior_table_of
@@ -73,14 +74,14 @@ from bam_jax.kernels.tile_math import (
     MU,
     NUM_HEAD_PARAMS,
     SSMAX_SCALE,
-    AuxInputs,
     Backend,
+    DerivedInputs,
     KernelConfig,
     ggd_limit,
     pad_to,
 )
 from bam_jax.kernels.tpu import tpu_forward
-from bam_jax.masking import log_visible_count, window_keys
+from bam_jax.masking import log_visible_count
 from bam_jax.priors import AlibiPrior, GGDPrior, Prior, ggd_mu
 from bam_jax.pytrees import vary_together
 
@@ -97,19 +98,13 @@ BACKWARD_OPERAND_ROLES = (
 BACKWARD_RESULT_ROLES = (*FORWARD_OPERAND_ROLES[:3], ("batch", "heads", None))
 
 
-@checked_attention
-def fused_attention(
+def attend_fused(
     query_BxTxHxD: jax.Array,
     key_BxSxKxD: jax.Array,
     value_BxSxKxD: jax.Array,
     spec: AttentionSpec,
+    inputs: AttentionInputs,
     *,
-    prior: Prior | None,
-    ssmax_scale_H: jax.Array | None,
-    ssmax_max_count: int | jax.Array | None,
-    query_segment_ids_BxT: jax.Array | None,
-    key_segment_ids_BxS: jax.Array | None,
-    query_offset: int | jax.Array,
     backend: Backend | None = None,
     interpret: bool = False,
     approx_math: bool = True,
@@ -155,31 +150,14 @@ def fused_attention(
     block_q, block_k = fused.choose_blocks(
         interpret, head_dim, q_len, kv_len, spec.block_q, spec.block_k
     )
-    prior_kind = _prior_kind(prior)
+    prior_kind = _prior_kind(inputs.prior)
     backward = _resolve_backward(fused, backward, prior_kind)
     if q_len < fused.min_queries:
-        return blockwise_attention(
-            query_BxTxHxD,
-            key_BxSxKxD,
-            value_BxSxKxD,
-            spec.replace(block_q=fused.min_queries, block_k=fused.short_call_block_k),
-            prior=prior,
-            ssmax_scale_H=ssmax_scale_H,
-            ssmax_max_count=ssmax_max_count,
-            query_segment_ids_BxT=query_segment_ids_BxT,
-            key_segment_ids_BxS=key_segment_ids_BxS,
-            query_offset=query_offset,
-        )
+        short_call = spec.replace(block_q=fused.min_queries, block_k=fused.short_call_block_k)
+        return attend_blockwise(query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, short_call, inputs)
     if fused.reads_window_only:
-        key_BxSxKxD, value_BxSxKxD, key_segment_ids_BxS, query_offset = window_keys(
-            key_BxSxKxD,
-            value_BxSxKxD,
-            key_segment_ids_BxS,
-            query_offset,
-            q_len=q_len,
-            causal=spec.causal,
-            window=spec.window,
-            block_k=block_k,
+        key_BxSxKxD, value_BxSxKxD, inputs = keys_in_window(
+            key_BxSxKxD, value_BxSxKxD, spec, inputs, q_len=q_len, block_k=block_k
         )
         kv_len = key_BxSxKxD.shape[1]
     table_needed = prior_kind == "other" or fused.table_prior_only
@@ -195,9 +173,9 @@ def fused_attention(
         groups=num_heads // num_kv_heads,
         mask=spec.mask(kv_len),
         prior_kind=prior_kind,
-        ssmax=ssmax_scale_H is not None,
+        ssmax=inputs.has_ssmax,
         prior_inside=spec.ssmax_prior_inside,
-        segments=query_segment_ids_BxT is not None,
+        segments=inputs.has_documents,
         num_warps=num_warps,
         num_stages=num_stages,
         prior_table=prior_table,
@@ -205,21 +183,32 @@ def fused_attention(
     )
     if prior_reuse and fused.prior_reuse and prior_kind == "ggd" and not prior_table:
         config = dataclasses.replace(config, q_splits=_reuse_splits(block_q, block_k))
-    offset = jnp.asarray(query_offset, jnp.int32).reshape(1)
-    log_n_BxT = max_count = None
-    if ssmax_max_count is not None:
-        max_count = jnp.asarray(ssmax_max_count, jnp.int32)
+    inputs = _as_arrays(inputs)
+    log_n_BxT = table = None
     if config.ssmax:
         counts = config.mask.visible_counts(
-            q_len, offset[0], query_segment_ids_BxT, key_segment_ids_BxS
+            q_len, inputs.query_offset, inputs.query_segment_ids_BxT, inputs.key_segment_ids_BxS
         )
-        log_n_BxT = jnp.broadcast_to(log_visible_count(counts, max_count), (batch, q_len))
-    table = None
+        log_n = log_visible_count(counts, inputs.ssmax_max_count)
+        log_n_BxT = jnp.broadcast_to(log_n, (batch, q_len))
     if prior_table:
-        table = prior_table_of(config, prior, offset[0])
-    aux = AuxInputs(log_n_BxT, query_segment_ids_BxT, key_segment_ids_BxS, offset, table, max_count)
+        table = prior_table_of(config, inputs.prior, inputs.query_offset)
+    derived = DerivedInputs(log_n_BxT, table)
     return _attention(
-        config, backward, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, prior, ssmax_scale_H, aux
+        config, backward, spec, query_BxTxHxD, key_BxSxKxD, value_BxSxKxD, inputs, derived
+    )
+
+
+fused_attention = checked_attention(attend_fused, "fused_attention")
+
+
+def _as_arrays(inputs: AttentionInputs) -> AttentionInputs:
+    """The inputs with the query offset and the SSMax count cap as int32 arrays (what the
+    kernels and the custom VJP's residuals hold)."""
+    max_count = inputs.ssmax_max_count
+    return inputs.replace(
+        query_offset=jnp.asarray(inputs.query_offset, jnp.int32),
+        ssmax_max_count=None if max_count is None else jnp.asarray(max_count, jnp.int32),
     )
 
 
@@ -321,43 +310,43 @@ def _head_param_columns(
     return jnp.stack(columns, axis=1)
 
 
-def _forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs):
+def _forward(
+    config: KernelConfig, q, k, v, inputs: AttentionInputs, derived: DerivedInputs
+) -> tuple[jax.Array, jax.Array]:
     """Output [B, T, H, D] and log-sum-exp [B, H, T] (natural log, +inf for empty rows).
 
     Inside `jax.shard_map` a kernel's results are typed as varying over no mesh axis,
     whatever its operands vary over; they are cast to vary as their operands do, since
     each device computed its own (an output typed invariant would have its cotangent
     summed over the devices)."""
-    out, lse = _kernel_forward(config, q, k, v, prior, ssmax_scale_H, aux)
-    return vary_together((out, lse), q, k, v, aux)
+    out, lse = _kernel_forward(config, q, k, v, inputs, derived)
+    prior_free = inputs.replace(prior=None, ssmax_scale_H=None)
+    return vary_together((out, lse), q, k, v, prior_free, derived)
 
 
-def _kernel_forward(config: KernelConfig, q, k, v, prior, ssmax_scale_H, aux: AuxInputs):
-    head_params = _head_params(config, prior, ssmax_scale_H, q.shape[2])
+def _kernel_forward(config: KernelConfig, q, k, v, inputs: AttentionInputs, derived: DerivedInputs):
+    head_params = _head_params(config, inputs.prior, inputs.ssmax_scale_H, q.shape[2])
     if not FUSED_BACKENDS[config.backend].pallas:
-        out, lse = cpu_forward(
-            config,
-            q,
-            k,
-            v,
-            head_params,
-            aux.log_n_BxT,
-            aux.q_seg_BxT,
-            aux.k_seg_BxS,
-            aux.offset_1,
-            aux.prior_table_HxX,
-        )
+        out, lse = cpu_forward(config, q, k, v, inputs, derived, head_params)
         return out.astype(q.dtype), lse
-    f32, i32 = jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.int32)
-    present = (aux.prior_table_HxX, head_params, aux.log_n_BxT, aux.q_seg_BxT, aux.k_seg_BxS)
-    placeholders = (f32, None, f32, i32, i32)
-    optional = (p if x is None else x for x, p in zip(present, placeholders, strict=True))
+    operands = (
+        kernel_operand(derived.prior_table_HxX, jnp.float32),
+        head_params,
+        kernel_operand(derived.log_n_BxT, jnp.float32),
+        kernel_operand(inputs.query_segment_ids_BxT, jnp.int32),
+        kernel_operand(inputs.key_segment_ids_BxS, jnp.int32),
+    )
     forward = functools.partial(_pallas_forward, config)
     if not (config.interpret and FUSED_BACKENDS[config.backend].interpret_has_callbacks):
         forward = partitioned_by_batch_and_heads(
             forward, FORWARD_OPERAND_ROLES, FORWARD_RESULT_ROLES
         )
-    return forward(q, k, v, *optional, aux.offset_1)
+    return forward(q, k, v, *operands, _offset_1(inputs))
+
+
+def _offset_1(inputs: AttentionInputs) -> jax.Array:
+    """The query offset as the kernels take it, int32 [1]."""
+    return jnp.reshape(inputs.query_offset, (1,))
 
 
 def _pallas_forward(
@@ -394,50 +383,51 @@ def _pallas_forward(
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len, 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _attention(
-    config: KernelConfig, backward: Backward, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
+    config: KernelConfig,
+    backward: Backward,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    inputs: AttentionInputs,
+    derived: DerivedInputs,
 ):
-    return _forward(config, q, k, v, prior, ssmax_scale_H, aux)[0]
+    return _forward(config, q, k, v, inputs, derived)[0]
 
 
 def _attention_fwd(
-    config: KernelConfig, backward: Backward, q, k, v, prior, ssmax_scale_H, aux: AuxInputs
+    config: KernelConfig,
+    backward: Backward,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    inputs: AttentionInputs,
+    derived: DerivedInputs,
 ):
-    out, lse = _forward(config, q, k, v, prior, ssmax_scale_H, aux)
-    return out, (q, k, v, prior, ssmax_scale_H, aux, out, lse)
+    out, lse = _forward(config, q, k, v, inputs, derived)
+    return out, (q, k, v, inputs, derived, out, lse)
 
 
-def _attention_bwd(config: KernelConfig, backward: Backward, residuals, d_out):
-    q, k, v, prior, ssmax_scale_H, aux, out, lse = residuals
+def _attention_bwd(config: KernelConfig, backward: Backward, spec: AttentionSpec, residuals, d_out):
+    q, k, v, inputs, derived, out, lse = residuals
     if backward == "fused":
-        grads = _fused_backward(config, residuals, d_out)
+        dq, dk, dv, d_prior, d_scale = _fused_backward(config, residuals, d_out)
     else:
-        grads = flash_backward(
-            q,
-            k,
-            v,
-            prior,
-            ssmax_scale_H,
-            aux.q_seg_BxT,
-            aux.k_seg_BxS,
-            aux.offset_1[0],
-            out,
-            lse,
-            d_out,
-            mask=config.mask,
-            prior_inside=config.prior_inside,
-            block=BLOCKWISE_BACKWARD_BLOCK,
-            ssmax_max_count=aux.ssmax_max_count,
+        dq, dk, dv, d_prior, d_scale = flash_backward(
+            q, k, v, spec, inputs, out, lse, d_out, block=BLOCKWISE_BACKWARD_BLOCK
         )
-    aux_cotangent = jax.tree.map(lambda _: None, aux)
-    return (*grads, aux_cotangent)
+    no_cotangent = jax.tree.map(lambda _: None, (inputs, derived))
+    d_inputs = no_cotangent[0].replace(prior=d_prior, ssmax_scale_H=d_scale)
+    return dq, dk, dv, d_inputs, no_cotangent[1]
 
 
 def _fused_backward(config: KernelConfig, residuals, d_out):
     """The Triton backward; the per-head parameters' gradient is chained to the prior's
     fields and the SSMax scales by a VJP of `_head_param_columns`."""
-    q, k, v, prior, ssmax_scale_H, aux, out, lse = residuals
+    q, k, v, inputs, derived, out, lse = residuals
     # The kernels recompute the prior per element even where the forward read its table.
     config = dataclasses.replace(config, prior_table=False)
 
@@ -446,17 +436,18 @@ def _fused_backward(config: KernelConfig, residuals, d_out):
         head_params = _head_param_columns(config, prior, ssmax_scale_H, q.shape[2])
         return vary_together(head_params, q, k, v)
 
-    head_params, params_vjp = jax.vjp(columns, prior, ssmax_scale_H)
-    f32, i32 = jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.int32)
-    optional = (aux.log_n_BxT, aux.q_seg_BxT, aux.k_seg_BxS)
-    placeholders = (f32, i32, i32)
-    rows = (p if x is None else x for x, p in zip(optional, placeholders, strict=True))
+    head_params, params_vjp = jax.vjp(columns, inputs.prior, inputs.ssmax_scale_H)
+    rows = (
+        kernel_operand(derived.log_n_BxT, jnp.float32),
+        kernel_operand(inputs.query_segment_ids_BxT, jnp.int32),
+        kernel_operand(inputs.key_segment_ids_BxS, jnp.int32),
+    )
     backward = partitioned_by_batch_and_heads(
         functools.partial(_gpu_backward_shard, config),
         BACKWARD_OPERAND_ROLES,
         BACKWARD_RESULT_ROLES,
     )
-    grads = backward(q, k, v, head_params, *rows, aux.offset_1, out, lse, d_out)
+    grads = backward(q, k, v, head_params, *rows, _offset_1(inputs), out, lse, d_out)
     dq, dk, dv, d_head_params_BxHxP = vary_together(grads, q, k, v)  # as in `_forward`
     d_prior, d_scale = params_vjp(jnp.sum(d_head_params_BxHxP, axis=0))
     return dq, dk, dv, d_prior, d_scale
@@ -467,13 +458,13 @@ def _gpu_backward_shard(
 ):
     """The Triton backward on one shard's arrays (BACKWARD_OPERAND_ROLES' order): dq, dk,
     dv and the head parameters' gradient by batch row [B, H, P], which the caller sums."""
-    aux = AuxInputs(
-        log_n_BxT if config.ssmax else None,
-        q_seg_BxT if config.segments else None,
-        k_seg_BxS if config.segments else None,
-        offset_1,
+    inputs = AttentionInputs(
+        query_segment_ids_BxT=q_seg_BxT if config.segments else None,
+        key_segment_ids_BxS=k_seg_BxS if config.segments else None,
+        query_offset=offset_1[0],
     )
-    return fused_gpu_backward(config, head_params, q, k, v, aux, *rest)
+    derived = DerivedInputs(log_n_BxT if config.ssmax else None)
+    return fused_gpu_backward(config, q, k, v, inputs, derived, head_params, *rest)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -37,7 +37,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +53,13 @@ from bam_jax.kernels.backend import FusedBackend
 from bam_jax.kernels.partitioning import (
     FORWARD_OPERAND_ROLES,
     FORWARD_RESULT_ROLES,
+    kernel_operand,
     partitioned_by_batch_and_heads,
 )
-from bam_jax.kernels.tile_math import KernelConfig
+from bam_jax.kernels.tile_math import DerivedInputs, KernelConfig
+
+if TYPE_CHECKING:
+    from bam_jax.attention_inputs import AttentionInputs
 
 CPU_BLOCK_Q = 64
 CPU_BLOCK_K = 256
@@ -155,24 +159,20 @@ def cpu_forward(
     q_BxTxHxD: jax.Array,
     k_BxSxKxD: jax.Array,
     v_BxSxKxD: jax.Array,
+    inputs: AttentionInputs,
+    derived: DerivedInputs,
     head_params_HxP: jax.Array,
-    log_n_BxT: jax.Array | None,
-    q_seg_BxT: jax.Array | None,
-    k_seg_BxS: jax.Array | None,
-    offset_1: jax.Array,
-    prior_table_HxX: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
     """Output [B, T, H, D] float32 and natural-log log-sum-exp [B, H, T] (+inf for rows
-    that see no key). Unpadded inputs; the table is over `prior_table_distances(config)`.
-    q, k and v reach the kernel as they are when all three are bfloat16 or float32 (a tile
-    is widened to float32 as it is copied), else as float32 copies."""
+    that see no key). Unpadded inputs, the query offset an int32 scalar; the table is over
+    `prior_table_distances`. q, k and v reach the kernel as they are when all three are
+    bfloat16 or float32 (a tile is widened to float32 as it is copied), else as float32
+    copies."""
     _register()
     head_dim = q_BxTxHxD.shape[3]
-    placeholder_f32 = jnp.zeros((1, 1), jnp.float32)
-    placeholder_i32 = jnp.zeros((1, 1), jnp.int32)
-    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     qkv = functools.partial(jnp.asarray, dtype=_input_dtype(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD))
+    table_HxX = derived.prior_table_HxX
+    table_reversed_HxX = None if table_HxX is None else jnp.flip(table_HxX, axis=1)
     mask = config.mask
     return partitioned_by_batch_and_heads(
         _kernel_call, FORWARD_OPERAND_ROLES, FORWARD_RESULT_ROLES
@@ -180,16 +180,16 @@ def cpu_forward(
         qkv(q_BxTxHxD),
         qkv(k_BxSxKxD),
         qkv(v_BxSxKxD),
-        placeholder_f32 if prior_table_HxX is None else f32(prior_table_HxX)[:, ::-1],
-        f32(head_params_HxP),
-        placeholder_f32 if log_n_BxT is None else f32(log_n_BxT),
-        placeholder_i32 if q_seg_BxT is None else i32(q_seg_BxT),
-        placeholder_i32 if k_seg_BxS is None else i32(k_seg_BxS),
-        i32(offset_1),
+        kernel_operand(table_reversed_HxX, jnp.float32),
+        kernel_operand(head_params_HxP, jnp.float32),
+        kernel_operand(derived.log_n_BxT, jnp.float32),
+        kernel_operand(inputs.query_segment_ids_BxT, jnp.int32),
+        kernel_operand(inputs.key_segment_ids_BxS, jnp.int32),
+        kernel_operand(jnp.reshape(inputs.query_offset, (1,)), jnp.int32),
         causal=np.int64(mask.causal),
         window=np.int64(-1 if mask.window is None else min(mask.window, _INT32_MAX)),
         kv_len=np.int64(mask.kv_len),
-        has_prior=np.int64(prior_table_HxX is not None),
+        has_prior=np.int64(table_HxX is not None),
         ssmax=np.int64(config.ssmax),
         prior_inside=np.int64(config.prior_inside),
         segments=np.int64(config.segments),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ from bam_jax.kernels.tile_math import (
     MU,
     NUM_HEAD_PARAMS,
     SSMAX_SCALE,
-    AuxInputs,
+    DerivedInputs,
     HeadScalars,
     KernelConfig,
     MathOps,
@@ -54,6 +54,9 @@ from bam_jax.kernels.tile_math import (
 )
 from bam_jax.priors import GGD_EPS, GGD_MAX_LOG2_MAGNITUDE
 from bam_jax.pytrees import varying_results
+
+if TYPE_CHECKING:
+    from bam_jax.attention_inputs import AttentionInputs
 
 _NT = (((1,), (1,)), ((), ()))  # x @ y^T
 _NN = (((1,), (0,)), ((), ()))  # x @ y
@@ -80,17 +83,20 @@ class _Tile(NamedTuple):
 
 def fused_gpu_backward(
     config: KernelConfig,
-    head_params_Hx8: jax.Array,
     q_BxTxHxD: jax.Array,
     k_BxSxKxD: jax.Array,
     v_BxSxKxD: jax.Array,
-    aux: AuxInputs,
+    inputs: AttentionInputs,
+    derived: DerivedInputs,
+    head_params_Hx8: jax.Array,
     out_BxTxHxD: jax.Array,
     lse_BxHxT: jax.Array,
     d_out_BxTxHxD: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """dq, dk, dv (the inputs' dtypes) and the gradient of `head_params_Hx8` (float32) by
-    batch row, [B, H, 8], from the forward's output and natural-log log-sum-exp."""
+    batch row, [B, H, 8], from the forward's output and natural-log log-sum-exp (the
+    segment ids and the query offset, an int32 scalar, of `inputs`; SSMax's log(n_i) of
+    `derived`)."""
     batch, q_len, _, head_dim = q_BxTxHxD.shape
     kv_len = k_BxSxKxD.shape[1]
     q_pad, kv_pad = config.padded_q_len, config.padded_kv_len
@@ -104,10 +110,11 @@ def fused_gpu_backward(
     delta_BxHxT = jnp.einsum(
         "bthd,bthd->bht", d_out_BxTxHxD.astype(jnp.float32), out_BxTxHxD.astype(jnp.float32)
     )
-    rows = _padded_rows(config, aux, lse_BxHxT, delta_BxHxT, batch)
-    inputs = _KernelInputs(aux.offset_1, head_params_Hx8, q, k, v, d_out, *rows)
-    dq, d_params_QxBxHx8 = _dq_call(config, inputs)
-    dk_BxSxHxD, dv_BxSxHxD = _dkdv_call(config, inputs)
+    rows = _padded_rows(config, inputs, derived, lse_BxHxT, delta_BxHxT, batch)
+    offset_1 = jnp.reshape(inputs.query_offset, (1,))
+    kernel_inputs = _KernelInputs(offset_1, head_params_Hx8, q, k, v, d_out, *rows)
+    dq, d_params_QxBxHx8 = _dq_call(config, kernel_inputs)
+    dk_BxSxHxD, dv_BxSxHxD = _dkdv_call(config, kernel_inputs)
     dk, dv = (_sum_groups(config, x)[:, :kv_len, :, :head_dim] for x in (dk_BxSxHxD, dv_BxSxHxD))
     return (
         dq[:, :q_len, :, :head_dim],
@@ -132,7 +139,14 @@ class _KernelInputs(NamedTuple):
     k_seg_Bx1xS: jax.Array | None
 
 
-def _padded_rows(config: KernelConfig, aux: AuxInputs, lse_BxHxT, delta_BxHxT, batch: int):
+def _padded_rows(
+    config: KernelConfig,
+    inputs: AttentionInputs,
+    derived: DerivedInputs,
+    lse_BxHxT,
+    delta_BxHxT,
+    batch: int,
+):
     """Per-row kernel inputs padded to whole blocks; padded queries see nothing
     (lse = +inf) and have no cotangent (delta = 0)."""
     q_pad, kv_pad = config.padded_q_len, config.padded_kv_len
@@ -140,13 +154,13 @@ def _padded_rows(config: KernelConfig, aux: AuxInputs, lse_BxHxT, delta_BxHxT, b
     delta = pad_to(delta_BxHxT, 2, q_pad)[..., None]
     q_seg = k_seg = None
     if config.segments:
-        q_seg = pad_to(aux.q_seg_BxT.astype(jnp.int32), 1, q_pad, -1)
-        k_seg = pad_to(aux.k_seg_BxS.astype(jnp.int32), 1, kv_pad, -1)
-    counts = config.mask.visible_counts(q_pad, aux.offset_1[0], q_seg, k_seg)
+        q_seg = pad_to(inputs.query_segment_ids_BxT.astype(jnp.int32), 1, q_pad, -1)
+        k_seg = pad_to(inputs.key_segment_ids_BxS.astype(jnp.int32), 1, kv_pad, -1)
+    counts = config.mask.visible_counts(q_pad, inputs.query_offset, q_seg, k_seg)
     single_key = jnp.broadcast_to(counts == 1, (batch, q_pad))[..., None].astype(jnp.int32)
     log_n = None
     if config.ssmax:
-        log_n = jnp.broadcast_to(pad_to(aux.log_n_BxT, 1, q_pad), (batch, q_pad))[..., None]
+        log_n = jnp.broadcast_to(pad_to(derived.log_n_BxT, 1, q_pad), (batch, q_pad))[..., None]
     if config.segments:
         q_seg, k_seg = q_seg[..., None], k_seg[:, None, :]
     return lse_log2, delta, single_key, log_n, q_seg, k_seg

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import (
     ArrayMapping,
@@ -60,6 +61,13 @@ FORWARD_OPERAND_ROLES: Roles = (
     (None,),
 )
 FORWARD_RESULT_ROLES: Roles = (("batch", None, "heads", None), ("batch", "heads", None))
+
+
+def kernel_operand(x: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    """x in `dtype` as a kernel operand, or a [1, 1] placeholder where the call has no such
+    input: a kernel's operand list is fixed (FORWARD_OPERAND_ROLES), and a placeholder's
+    dimensions are computed whole."""
+    return jnp.zeros((1, 1), dtype) if x is None else jnp.asarray(x, dtype)
 
 
 def partitioned_by_batch_and_heads(

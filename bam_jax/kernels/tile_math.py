@@ -63,17 +63,13 @@ class KernelConfig:
         return self.padded_kv_len // self.block_k
 
 
-class AuxInputs(NamedTuple):
-    """Non-differentiable inputs (prior_table_HxX: the prior's magnitude -bias at the
-    distances of `prior_table_distances`, with KernelConfig.prior_table; ssmax_max_count:
-    the cap on SSMax's key count that log_n_BxT was computed with)."""
+class DerivedInputs(NamedTuple):
+    """What the fused kernels read that is computed from a call's `AttentionInputs`:
+    SSMax's log(n_i) [B, T] (with KernelConfig.ssmax) and the prior's magnitude -bias at
+    the distances of `prior_table_distances` [H, X] (with KernelConfig.prior_table)."""
 
     log_n_BxT: jax.Array | None
-    q_seg_BxT: jax.Array | None
-    k_seg_BxS: jax.Array | None
-    offset_1: jax.Array
     prior_table_HxX: jax.Array | None = None
-    ssmax_max_count: jax.Array | None = None
 
 
 def round_up(x: int, multiple: int) -> int:

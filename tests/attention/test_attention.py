@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bam_jax import blockwise
+from bam_jax import attention_inputs, blockwise
 from bam_jax.attention import dot_product_attention
 from bam_jax.implementation import resolve_implementation
 from bam_jax.masking import window_keys
@@ -294,7 +294,9 @@ def test_cutting_a_window_from_a_long_cache_changes_no_bit(monkeypatch, offset: 
     case = Case(q_len=45, kv_len=1000, offset=offset, block_q=16, block_k=64, window=20, ssmax=True)
     inputs = make_inputs(case)
     out_cut, grads_cut = attention_and_grads(case, inputs, "blockwise")
-    monkeypatch.setattr(blockwise, "window_keys", lambda k, v, seg, off, **_: (k, v, seg, off))
+    monkeypatch.setattr(
+        attention_inputs, "window_keys", lambda k, v, seg, off, **_: (k, v, seg, off)
+    )
     out_whole, grads_whole = attention_and_grads(case, inputs, "blockwise")
     if offset != 955:  # there the cut starts between blocks: same function, other tiles
         np.testing.assert_array_equal(out_cut, out_whole)

@@ -3,7 +3,11 @@ every implementation agrees on empty inputs (length 0 queries or keys)."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import functools
+import inspect
+import pathlib
 
 import chex
 import jax
@@ -12,9 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bam_jax.attention import dot_product_attention, reference_attention
+import bam_jax
+from bam_jax import blockwise
+from bam_jax.attention import attend_reference, dot_product_attention, reference_attention
+from bam_jax.attention_inputs import AttentionInputs
 from bam_jax.attention_spec import AttentionSpec
+from bam_jax.blockwise import attend_blockwise, blockwise_attention, flash_backward
 from bam_jax.config import ModelConfig
+from bam_jax.fused_attention import attend_fused, fused_attention
 from bam_jax.model import Attention
 from bam_jax.priors import GGDPrior, init_ggd_prior
 
@@ -185,3 +194,115 @@ def test_the_nnx_attention_layer_gets_the_same_checks() -> None:
         attention(x_BxTxE, jnp.zeros((BATCH, 6), jnp.float32))
     with pytest.raises(ValueError, match=r"query_segment_ids_BxT must have shape .*\(1, 6\)"):
         attention(x_BxTxE, jnp.zeros((1, 6), jnp.int32))
+
+
+PER_CALL_ARRAYS = frozenset(f.name for f in dataclasses.fields(AttentionInputs))
+IMPLEMENTATION_PARAMETERS = ["query_BxTxHxD", "key_BxSxKxD", "value_BxSxKxD", "spec", "inputs"]
+
+
+def _documents_inputs(q_len: int = 8, kv_len: int = 8, offset=0) -> AttentionInputs:
+    return AttentionInputs(
+        prior=init_ggd_prior(HEADS),
+        ssmax_scale_H=jnp.asarray([0.8, 1.3], jnp.float32),
+        ssmax_max_count=5,
+        query_segment_ids_BxT=_documents(kv_len)[:, kv_len - q_len :],
+        key_segment_ids_BxS=_documents(kv_len),
+        query_offset=offset,
+    )
+
+
+def test_the_per_call_arrays_are_one_pytree_exported_beside_the_spec() -> None:
+    inputs = _documents_inputs(q_len=4, offset=jnp.int32(4))
+    assert bam_jax.AttentionInputs is AttentionInputs
+    leaves, treedef = jax.tree.flatten(inputs)
+    # The prior's three fields, the scales, the cap, two segment arrays, the offset.
+    assert len(leaves) == 8
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert rebuilt.query_offset is inputs.query_offset and rebuilt.prior == inputs.prior
+    assert inputs.has_documents and inputs.has_ssmax
+    assert not AttentionInputs().has_documents and not AttentionInputs().has_ssmax
+
+
+def test_the_inputs_check_themselves_and_name_the_field() -> None:
+    q, k, v = _qkv()
+    _documents_inputs().check(q, k, v)
+    bad_scales = _documents_inputs().replace(ssmax_scale_H=jnp.ones((3,), jnp.float32))
+    with pytest.raises(ValueError, match=r"ssmax_scale_H must have shape \(2,\)"):
+        bad_scales.check(q, k, v)
+    with pytest.raises(ValueError, match="ssmax_max_count caps SSMax's key count"):
+        AttentionInputs(ssmax_max_count=4).check(q, k, v)
+    with pytest.raises(ValueError, match="must be given together"):
+        AttentionInputs(query_segment_ids_BxT=_documents(8)).check(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "implementation, public",
+    [
+        (attend_reference, reference_attention),
+        (attend_blockwise, blockwise_attention),
+        (
+            functools.partial(attend_fused, backend="cpu"),
+            functools.partial(fused_attention, backend="cpu"),
+        ),
+    ],
+)
+def test_every_implementation_takes_query_key_value_spec_and_inputs(implementation, public) -> None:
+    """The inputs pass through jit as one argument (the offset traced); the public keyword
+    form computes the same, bit for bit."""
+    q, k, v = _qkv(q_len=4, kv_len=8)
+    spec = AttentionSpec(block_q=4, block_k=4)
+    inputs = _documents_inputs(q_len=4, offset=jnp.int32(4))
+    got = jax.jit(lambda inputs: implementation(q, k, v, spec, inputs))(inputs)
+    keywords = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+    want = jax.jit(lambda keywords: public(q, k, v, spec, **keywords))(keywords)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_implementations_and_the_backward_share_one_signature() -> None:
+    for function in (attend_reference, attend_blockwise, attend_fused, flash_backward):
+        parameters = list(inspect.signature(function).parameters)
+        assert parameters[:5] == IMPLEMENTATION_PARAMETERS, function.__name__
+    public = inspect.signature(blockwise_attention).parameters
+    assert {n for n, p in public.items() if p.kind == p.KEYWORD_ONLY} >= PER_CALL_ARRAYS
+
+
+def test_no_function_spells_the_per_call_arrays_out_but_the_public_keyword_forms() -> None:
+    """Functions of bam_jax taking three or more of the per-call arrays as parameters: only
+    `dot_product_attention`, the keyword form `checked_attention` gives an implementation,
+    and the mask's key count (masking.py lies below AttentionInputs, and its callers pass
+    segment ids padded to whole tiles)."""
+    spelled_out = []
+    for path in sorted(pathlib.Path(bam_jax.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.Lambda):
+                args = node.args
+                names = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
+                if len(names & PER_CALL_ARRAYS) >= 3:
+                    spelled_out.append(f"{path.stem}.{getattr(node, 'name', 'lambda')}")
+    assert sorted(spelled_out) == [
+        "attention.dot_product_attention",
+        "attention_inputs.run",
+        "masking.visible_counts",
+    ]
+
+
+def test_blockwise_attention_reads_the_shared_prior_table(monkeypatch) -> None:
+    """One table of distances for blockwise attention and the kernels
+    (bam_jax/kernels/prior_table.py)."""
+    calls = []
+
+    def spy(*args):
+        calls.append(args[:2])
+        return prior_table_distances(*args)
+
+    prior_table_distances = blockwise.prior_table_distances
+    monkeypatch.setattr(blockwise, "prior_table_distances", spy)
+    q, k, v = _qkv(q_len=6, kv_len=8)
+    spec = AttentionSpec(block_q=4, block_k=4)
+    out = blockwise_attention(q, k, v, spec, prior=init_ggd_prior(HEADS), query_offset=2)
+    np.testing.assert_allclose(
+        out,
+        reference_attention(q, k, v, spec, prior=init_ggd_prior(HEADS), query_offset=2),
+        atol=1e-6,
+    )
+    assert calls == [(8, 8)]  # queries padded to 8, keys 8

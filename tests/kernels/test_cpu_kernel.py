@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bam_jax import fused_attention as fused_attention_module
+from bam_jax import attention_inputs
 from bam_jax.attention import dot_product_attention
 from bam_jax.attention_spec import AttentionSpec
 from bam_jax.fused_attention import fused_attention
@@ -107,7 +107,7 @@ def test_cutting_a_window_from_a_long_cache_changes_no_bit(monkeypatch) -> None:
     inputs = make_inputs(case)
     cut = run_kernel(case, "cpu", inputs)
     monkeypatch.setattr(
-        fused_attention_module, "window_keys", lambda k, v, seg, off, **_: (k, v, seg, off)
+        attention_inputs, "window_keys", lambda k, v, seg, off, **_: (k, v, seg, off)
     )
     np.testing.assert_array_equal(cut, run_kernel(case, "cpu", inputs))
 
