@@ -594,7 +594,7 @@ def _backward(static: _Static, residuals, d_out):
         k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
 
         def query_block(qb, inner):
-            dk, dv, dq, tables, row_sums = inner
+            dk, dv, dq, d_table, row_sums = inner
             q_start = qb * bq
             q_tile = _rows_tile(static, q, q_start, bq)
             do_tile = _rows_tile(static, d_out, q_start, bq)
@@ -622,77 +622,38 @@ def _backward(static: _Static, residuals, d_out):
             dp_t = lax.dot_general(v_tile, do_tile, _NT)
             ds_t = jnp.where(single_key_row, 0.0, p_t * (dp_t - delta_row))
 
-            d_bias_t, p_bias_t = ds_t, p_t
+            d_bias_t = ds_t
             if scale is not None:
                 row_sums = _add_row_sums(static, row_sums, ds_t, p_t, pre_scale, q_start)
                 ds_t = ds_t * factor_row
                 if static.prior_inside:
-                    d_bias_t, p_bias_t = ds_t, p_t * factor_row
+                    d_bias_t = ds_t
             if bias_table is not None:
-                tiles = _TableSums(d_bias_t, p_bias_t)
-                tables = _add_to_tables(static, tables, bias_vjp, tiles, q_start, k_start)
+                d_bias_sum = _sum_leading(_split_batch(static, d_bias_t))
+                d_table = _add_to_table(static, d_table, bias_vjp(d_bias_sum)[0], q_start, k_start)
             dk = dk + lax.dot_general(ds_t, q_tile, _NN) / sqrt_d
             dq_tile_t = lax.dot_general(k_tile_t, ds_t, _NN) / sqrt_d
             dq_tile = _rows_to_bthd(static, jnp.swapaxes(dq_tile_t, 1, 2), batch)
             dq_old = lax.dynamic_slice_in_dim(dq, q_start, bq, axis=1)
             dq = lax.dynamic_update_slice_in_dim(dq, dq_old + dq_tile, q_start, axis=1)
-            return dk, dv, dq, tables, row_sums
+            return dk, dv, dq, d_table, row_sums
 
-        dq, tables, row_sums = carry
+        dq, d_table, row_sums = carry
         lo, hi = static.mask.query_blocks(k_start, bk, offset, bq, num_q_blocks)
-        init = vary_together((zeros(k_tile), zeros(v_tile), dq, tables, row_sums), q)
-        dk, dv, dq, tables, row_sums = lax.fori_loop(lo, hi, query_block, init)
-        return (dq, tables, row_sums), (dk, dv)
+        init = vary_together((zeros(k_tile), zeros(v_tile), dq, d_table, row_sums), q)
+        dk, dv, dq, d_table, row_sums = lax.fori_loop(lo, hi, query_block, init)
+        return (dq, d_table, row_sums), (dk, dv)
 
-    row_sums = tables = None
+    row_sums = None
     if scale is not None:
         row_sums = _RowSums(*(jnp.zeros(lse.shape, jnp.float32) for _ in _RowSums._fields))
-    if bias_table is not None:
-        tables = _TableSums(*(jnp.zeros_like(bias_table) for _ in _TableSums._fields))
-    init = vary_together((jnp.zeros(q.shape, jnp.float32), tables, row_sums), q)
-    (dq, tables, row_sums), (dk_blocks, dv_blocks) = lax.scan(
+    init = vary_together((jnp.zeros(q.shape, jnp.float32), zeros(bias_table), row_sums), q)
+    (dq, d_table, row_sums), (dk_blocks, dv_blocks) = lax.scan(
         key_block, init, jnp.arange(num_k_blocks, dtype=jnp.int32)
     )
     dk, dv = (_key_blocks_to_bskd(x, k.shape) for x in (dk_blocks, dv_blocks))
-    d_table = None if tables is None else _centred_on_probs(tables)
     d_scale = None if scale is None else _ssmax_scale_grad(static, row_sums, log_n)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_table, d_scale
-
-
-class _TableSums(NamedTuple):
-    """Sums along the tiles' diagonals, one per distance of the bias table ([H, X]): of the
-    bias's gradient (dS, times the SSMax factor where it scales the prior) and of the
-    probabilities with the same weight."""
-
-    d_bias: jax.Array
-    probs: jax.Array
-
-
-def _add_to_tables(
-    static: _Static, tables: _TableSums, bias_vjp, tiles: _TableSums, q_start, k_start
-):
-    """tables plus one tile's diagonal sums ([I, N, J] tiles, keys as rows)."""
-
-    def add(table_HxX, tile_IxNxJ):
-        vec_HxX = bias_vjp(_sum_leading(_split_batch(static, tile_IxNxJ)))[0]
-        return _add_to_table(static, table_HxX, vec_HxX, q_start, k_start)
-
-    return _TableSums(*(add(table, tile) for table, tile in zip(tables, tiles, strict=True)))
-
-
-def _centred_on_probs(tables: _TableSums) -> jax.Array:
-    """The bias table's gradient g, each head's total moved onto the distances in proportion
-    to the probabilities there: g - sum(g) p / sum(p), [H, X].
-
-    Exactly, sum(g) is zero (a softmax's gradient sums to zero over a query's keys), so this
-    changes nothing. In float32 each query's sum carries the rounding of dS (of delta =
-    rowsum(dO * O) against probabilities recomputed from the log-sum-exp), about 1e-6 of
-    dP, which the prior's gradient would multiply by the bias's derivative (large, of one
-    sign over the distances); centred, by that derivative's distance from its mean under P.
-    """
-    total_p = jnp.sum(tables.probs, axis=1, keepdims=True)
-    share = tables.probs / jnp.where(total_p > 0, total_p, 1.0)
-    return tables.d_bias - jnp.sum(tables.d_bias, axis=1, keepdims=True) * share
 
 
 def _add_to_table(static: _Static, table_HxX, vec_HxX, q_start, k_start) -> jax.Array:
