@@ -7,6 +7,18 @@ gradient of a query, sum_j dS_ij x_ij, is then a small difference of terms as la
 logits. Blockwise attention, the fused CPU kernel (its forward, the blockwise backward) and
 the fused GPU kernels (forward and backward, in Pallas interpret mode) must keep these
 gradients within GRAD_RTOL of float64, as the float32 reference does.
+
+Float32 logits bound what any implementation can do. Here they reach 10^3 in log2 units,
+where a float32 ulp is 6e-5, and the gradient of theta_mu of `prior_inside`'s second head
+is a sum over queries of terms a hundred times its size: one rounding of every logit
+(uniform, in float64) moves it by 2.5e-4 of its value (rms), 20 times as much as any other
+gradient of these cases. The kernels' logits carry about 1.5 ulp (rms, where attention is
+not negligible: the float32 dot product, the per-row coefficients, the GGD power computed
+as exp2 of a rounded exponent), and their backwards differentiate those logits: the fused
+GPU backward's error there, 1.6e-3, is that of the exact (float64) gradient of its own
+logits, 1.3e-3, plus rounding of the log-sum-exp. So a gradient that misses GRAD_RTOL is
+held instead to LOGIT_ULPS times its logit resolution (`logit_resolution`), when that is
+larger.
 """
 
 from __future__ import annotations
@@ -24,7 +36,12 @@ from bam_jax.attention_spec import AttentionSpec
 from bam_jax.fused_attention import fused_attention
 from bam_jax.priors import GGDPrior
 from tests.support.cpu_compiler import needs_compiler
-from tests.support.float64 import float64_attention, x64_mode
+from tests.support.float64 import (
+    float64_attention,
+    float64_logits,
+    float64_softmax_values,
+    x64_mode,
+)
 from tests.support.grids import slow_unless
 
 GRAD_RTOL = 1e-3
@@ -33,6 +50,9 @@ GRAD_RTOL = 1e-3
 GRAD_FLOOR = 0.1
 VALUE_TOL = 2e-4
 QKV_GRAD_TOL = 5e-4  # of the largest gradient entry
+# Errors of the logits, in float32 ulps (rms), that a gradient's tolerance allows for when
+# its logit resolution is coarser than GRAD_RTOL: about twice the GPU kernel's.
+LOGIT_ULPS = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +168,46 @@ def float64_values_and_gradients(case: SharpCase):
         return np.asarray(out), [np.asarray(g) for g in grads]
 
 
+@functools.cache
+def logit_resolution(case: SharpCase) -> list[np.ndarray]:
+    """Per head parameter (PRIMALS[3:]) and head: the rms change of its float64 gradient when
+    every visible logit moves by one float32 ulp (at its magnitude in log2 units, as the
+    kernels hold them) with an independent sign, sqrt(sum_ij (dg/dL_ij ulp_ij)^2), with
+    the logits' dependence on the parameters held fixed."""
+    primals, documents, cotangent = make_inputs(case)
+    count = len(PRIMALS[3:]) * case.heads
+    with x64_mode():
+        arrays = [jnp.asarray(primals[name], jnp.float64) for name in PRIMALS]
+        docs = None if documents is None else jnp.asarray(documents)
+        rms = jax.jit(
+            lambda *args: jax.lax.map(
+                lambda i: _ulp_weighted_sensitivity(case.prior_inside, i, *args), jnp.arange(count)
+            )
+        )(docs, jnp.asarray(cotangent), *arrays)
+    return list(np.reshape(np.asarray(rms), (len(PRIMALS[3:]), case.heads)))
+
+
+def _ulp_weighted_sensitivity(prior_inside: bool, index, documents, cotangent, q, k, v, *params):
+    """sqrt(sum_ij (dg/dL_ij ulp_ij)^2) for g the index-th of the flattened head gradients."""
+
+    def logits_of(*head_params):
+        return float64_logits(prior_inside, documents, q, k, *head_params)[0]
+
+    logits, logits_vjp = jax.vjp(logits_of, *params)
+    visible = float64_logits(prior_inside, documents, q, k, *params)[1]
+
+    def head_gradient(logits_BxHxTxS):
+        def loss(x):
+            return jnp.sum(float64_softmax_values(x, visible, v) * cotangent)
+
+        flat = [g.ravel() for g in logits_vjp(jax.grad(loss)(logits_BxHxTxS))]
+        return jnp.concatenate(flat)[index]
+
+    magnitude = jnp.abs(logits * np.log2(np.e)).astype(jnp.float32)
+    ulp = jnp.where(visible, jnp.spacing(magnitude).astype(jnp.float64) * np.log(2), 0.0)
+    return jnp.sqrt(jnp.sum((jax.grad(head_gradient)(logits) * ulp) ** 2))
+
+
 def float32_values_and_gradients(case: SharpCase, implementation: str):
     primals, documents, cotangent = make_inputs(case)
     segments = {}
@@ -175,11 +235,21 @@ def float32_values_and_gradients(case: SharpCase, implementation: str):
     return np.asarray(out), [np.asarray(g) for g in grads]
 
 
-def assert_head_gradients_close(name: str, got: np.ndarray, want: np.ndarray) -> None:
+def assert_head_gradients_close(
+    case: SharpCase, index: int, got: np.ndarray, want: np.ndarray
+) -> None:
+    """PRIMALS[3 + index]'s gradient within GRAD_RTOL (of its size, or of GRAD_FLOOR of the
+    largest head's), or within LOGIT_ULPS times its logit resolution, whichever is larger
+    (the resolution is computed only for a gradient that misses the first)."""
     allowed = GRAD_RTOL * np.maximum(np.abs(want), GRAD_FLOOR * np.max(np.abs(want)))
     error = np.abs(got - want)
+    if np.all(error <= allowed):
+        return
+    resolution = logit_resolution(case)[index]
+    allowed = np.maximum(allowed, LOGIT_ULPS * resolution)
     assert np.all(error <= allowed), (
-        f"{name}: float32 {got}, float64 {want}, relative error {error / np.abs(want)}"
+        f"{PRIMALS[3 + index]}: float32 {got}, float64 {want}, relative error "
+        f"{error / np.abs(want)}, logit resolution {resolution}"
     )
 
 
@@ -187,8 +257,8 @@ def check_against_float64(case: SharpCase, implementation: str) -> None:
     want_out, want_grads = float64_values_and_gradients(case)
     out, grads = float32_values_and_gradients(case, implementation)
     np.testing.assert_allclose(out, want_out, atol=VALUE_TOL, rtol=VALUE_TOL)
-    for name, got, want in zip(PRIMALS[3:], grads[3:], want_grads[3:], strict=True):
-        assert_head_gradients_close(name, got, want)
+    for index, (got, want) in enumerate(zip(grads[3:], want_grads[3:], strict=True)):
+        assert_head_gradients_close(case, index, got, want)
     for name, got, want in zip(PRIMALS[:3], grads[:3], want_grads[:3], strict=True):
         np.testing.assert_allclose(
             got, want, atol=QKV_GRAD_TOL * np.max(np.abs(want)), err_msg=name
@@ -213,21 +283,6 @@ def test_fused_gpu_backward_gradients_match_float64(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="theta_mu of the second head is 1.7e-3 off float64 (its SSMax scale's "
-                "gradient within 1e-4); centring that sum on E_P does not change it",
-            ),
-        )
-        if name == "prior_inside"
-        else name
-        for name in sorted(CASES)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_fused_gpu_backward_gradients_match_float64_full_length(name: str) -> None:
     check_against_float64(CASES[name], "gpu_interpret")

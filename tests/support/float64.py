@@ -38,9 +38,29 @@ def float64_attention(
 ):
     """The causal attention of docs/spec.md in float64 (x64 mode), with a GGD prior and SSMax,
     every [T, S] array materialised; queries sit at query_offset + t among the S keys.
-    `documents` (one row of ids, T == S) masks keys of other documents."""
+    `documents` (one row of ids, T == S) masks keys of other documents; id -1 is padding,
+    which no query sees (a padding query sees nothing and outputs zeros)."""
+    logits_BxHxTxS, visible_TxS = float64_logits(
+        prior_inside, documents, q, k, alpha, beta, theta_mu, scale, query_offset
+    )
+    return float64_softmax_values(logits_BxHxTxS, visible_TxS, v)
+
+
+def float64_logits(
+    prior_inside: bool,
+    documents: np.ndarray | None,
+    q,
+    k,
+    alpha,
+    beta,
+    theta_mu,
+    scale,
+    query_offset: int = 0,
+):
+    """The logits of `float64_attention` [B, H, T, S] (finite everywhere) and which keys each
+    query sees, bool [T, S]."""
     groups = q.shape[2] // k.shape[2]
-    k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+    k = jnp.repeat(k, groups, axis=2)
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
     query_positions = jnp.arange(q.shape[1]) + query_offset
     key_positions = jnp.arange(k.shape[1])
@@ -49,10 +69,19 @@ def float64_attention(
     bias = -jnp.exp(alpha)[:, None, None] * (gap + GGD_EPS) ** beta[:, None, None]
     visible = key_positions[None, :] <= query_positions[:, None]
     if documents is not None:
-        visible = visible & (documents[0][:, None] == documents[0][None, :])
-    log_n = jnp.log(visible.sum(-1).astype(jnp.float64))[None, None, :, None]
+        same = documents[0][:, None] == documents[0][None, :]
+        visible = visible & same & (documents[0][None, :] >= 0)
+    log_n = jnp.log(jnp.maximum(visible.sum(-1), 1).astype(jnp.float64))[None, None, :, None]
     factor = scale[None, :, None, None] * log_n
     inside = (scores + bias[None]) * factor
-    logits = inside if prior_inside else scores * factor + bias[None]
-    probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+    return (inside if prior_inside else scores * factor + bias[None]), visible
+
+
+def float64_softmax_values(logits_BxHxTxS, visible_TxS, v):
+    """softmax(logits) over the visible keys, times the values: [B, T, H, D]."""
+    groups = logits_BxHxTxS.shape[1] // v.shape[2]
+    v = jnp.repeat(v, groups, axis=2)
+    seen = visible_TxS.any(-1)[:, None]
+    logits = jnp.where(visible_TxS, logits_BxHxTxS, jnp.where(seen, -jnp.inf, 0.0))
+    probs = jnp.where(seen, jax.nn.softmax(logits, axis=-1), 0.0)
     return jnp.einsum("bhts,bshd->bthd", probs, v)
