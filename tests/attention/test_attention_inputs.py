@@ -218,7 +218,9 @@ def test_the_per_call_arrays_are_one_pytree_exported_beside_the_spec() -> None:
     # The prior's three fields, the scales, the cap, two segment arrays, the offset.
     assert len(leaves) == 8
     rebuilt = jax.tree.unflatten(treedef, leaves)
-    assert rebuilt.query_offset is inputs.query_offset and rebuilt.prior == inputs.prior
+    assert rebuilt.query_offset is inputs.query_offset
+    assert type(rebuilt.prior) is type(inputs.prior)
+    assert all(a is b for a, b in zip(jax.tree.leaves(rebuilt), leaves, strict=True))
     assert inputs.has_documents and inputs.has_ssmax
     assert not AttentionInputs().has_documents and not AttentionInputs().has_ssmax
 
