@@ -179,33 +179,37 @@ def logit_resolution(case: SharpCase) -> list[np.ndarray]:
     with x64_mode():
         arrays = [jnp.asarray(primals[name], jnp.float64) for name in PRIMALS]
         docs = None if documents is None else jnp.asarray(documents)
-        rms = jax.jit(
-            lambda *args: jax.lax.map(
-                lambda i: _ulp_weighted_sensitivity(case.prior_inside, i, *args), jnp.arange(count)
-            )
-        )(docs, jnp.asarray(cotangent), *arrays)
+        rms = jax.jit(functools.partial(_ulp_weighted_sensitivities, case.prior_inside, count))(
+            docs, jnp.asarray(cotangent), *arrays
+        )
     return list(np.reshape(np.asarray(rms), (len(PRIMALS[3:]), case.heads)))
 
 
-def _ulp_weighted_sensitivity(prior_inside: bool, index, documents, cotangent, q, k, v, *params):
-    """sqrt(sum_ij (dg/dL_ij ulp_ij)^2) for g the index-th of the flattened head gradients."""
+def _ulp_weighted_sensitivities(
+    prior_inside: bool, count: int, documents, cotangent, q, k, v, *params
+) -> jax.Array:
+    """sqrt(sum_ij (dg/dL_ij ulp_ij)^2) for each g of the `count` flattened head gradients;
+    the logits, their VJP and their ulps are computed once for all of them."""
 
     def logits_of(*head_params):
-        return float64_logits(prior_inside, documents, q, k, *head_params)[0]
+        return float64_logits(prior_inside, documents, q, k, *head_params)
 
-    logits, logits_vjp = jax.vjp(logits_of, *params)
-    visible = float64_logits(prior_inside, documents, q, k, *params)[1]
+    logits, logits_vjp, visible = jax.vjp(logits_of, *params, has_aux=True)
 
-    def head_gradient(logits_BxHxTxS):
+    def head_gradients(logits_BxHxTxS):
         def loss(x):
             return jnp.sum(float64_softmax_values(x, visible, v) * cotangent)
 
-        flat = [g.ravel() for g in logits_vjp(jax.grad(loss)(logits_BxHxTxS))]
-        return jnp.concatenate(flat)[index]
+        return jnp.concatenate([g.ravel() for g in logits_vjp(jax.grad(loss)(logits_BxHxTxS))])
 
     magnitude = jnp.abs(logits * np.log2(np.e)).astype(jnp.float32)
     ulp = jnp.where(visible, jnp.spacing(magnitude).astype(jnp.float64) * np.log(2), 0.0)
-    return jnp.sqrt(jnp.sum((jax.grad(head_gradient)(logits) * ulp) ** 2))
+
+    def sensitivity(index):
+        weighted = jax.grad(lambda x: head_gradients(x)[index])(logits) * ulp
+        return jnp.sqrt(jnp.sum(weighted**2))
+
+    return jax.lax.map(sensitivity, jnp.arange(count))
 
 
 def float32_values_and_gradients(case: SharpCase, implementation: str):
