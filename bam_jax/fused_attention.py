@@ -63,6 +63,7 @@ from bam_jax.kernels.partitioning import (
     FORWARD_OPERAND_ROLES,
     FORWARD_RESULT_ROLES,
     kernel_operand,
+    offset_operand,
     partitioned_by_batch_and_heads,
 )
 from bam_jax.kernels.prior_table import prior_table as prior_table_of
@@ -341,12 +342,7 @@ def _kernel_forward(config: KernelConfig, q, k, v, inputs: AttentionInputs, deri
         forward = partitioned_by_batch_and_heads(
             forward, FORWARD_OPERAND_ROLES, FORWARD_RESULT_ROLES
         )
-    return forward(q, k, v, *operands, _offset_1(inputs))
-
-
-def _offset_1(inputs: AttentionInputs) -> jax.Array:
-    """The query offset as the kernels take it, int32 [1]."""
-    return jnp.reshape(inputs.query_offset, (1,))
+    return forward(q, k, v, *operands, offset_operand(inputs.query_offset))
 
 
 def _pallas_forward(
@@ -447,7 +443,9 @@ def _fused_backward(config: KernelConfig, residuals, d_out):
         BACKWARD_OPERAND_ROLES,
         BACKWARD_RESULT_ROLES,
     )
-    grads = backward(q, k, v, head_params, *rows, _offset_1(inputs), out, lse, d_out)
+    grads = backward(
+        q, k, v, head_params, *rows, offset_operand(inputs.query_offset), out, lse, d_out
+    )
     dq, dk, dv, d_head_params_BxHxP = vary_together(grads, q, k, v)  # as in `_forward`
     d_prior, d_scale = params_vjp(jnp.sum(d_head_params_BxHxP, axis=0))
     return dq, dk, dv, d_prior, d_scale

@@ -54,6 +54,7 @@ from bam_jax.kernels.partitioning import (
     FORWARD_OPERAND_ROLES,
     FORWARD_RESULT_ROLES,
     kernel_operand,
+    offset_operand,
     partitioned_by_batch_and_heads,
 )
 from bam_jax.kernels.tile_math import DerivedInputs, KernelConfig
@@ -185,7 +186,7 @@ def cpu_forward(
         kernel_operand(derived.log_n_BxT, jnp.float32),
         kernel_operand(inputs.query_segment_ids_BxT, jnp.int32),
         kernel_operand(inputs.key_segment_ids_BxS, jnp.int32),
-        kernel_operand(jnp.reshape(inputs.query_offset, (1,)), jnp.int32),
+        offset_operand(inputs.query_offset),
         causal=np.int64(mask.causal),
         window=np.int64(-1 if mask.window is None else min(mask.window, _INT32_MAX)),
         kv_len=np.int64(mask.kv_len),

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from bam_jax.kernels.gpu import _gpu_math
+from bam_jax.kernels.partitioning import offset_operand
 from bam_jax.kernels.tile_math import (
     BETA,
     COEF,
@@ -111,8 +112,9 @@ def fused_gpu_backward(
         "bthd,bthd->bht", d_out_BxTxHxD.astype(jnp.float32), out_BxTxHxD.astype(jnp.float32)
     )
     rows = _padded_rows(config, inputs, derived, lse_BxHxT, delta_BxHxT, batch)
-    offset_1 = jnp.reshape(inputs.query_offset, (1,))
-    kernel_inputs = _KernelInputs(offset_1, head_params_Hx8, q, k, v, d_out, *rows)
+    kernel_inputs = _KernelInputs(
+        offset_operand(inputs.query_offset), head_params_Hx8, q, k, v, d_out, *rows
+    )
     dq, d_params_QxBxHx8 = _dq_call(config, kernel_inputs)
     dk_BxSxHxD, dv_BxSxHxD = _dkdv_call(config, kernel_inputs)
     dk, dv = (_sum_groups(config, x)[:, :kv_len, :, :head_dim] for x in (dk_BxSxHxD, dv_BxSxHxD))

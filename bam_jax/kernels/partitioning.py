@@ -70,6 +70,11 @@ def kernel_operand(x: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
     return jnp.zeros((1, 1), dtype) if x is None else jnp.asarray(x, dtype)
 
 
+def offset_operand(query_offset: int | jax.Array) -> jax.Array:
+    """The query offset as the kernels take it: int32 [1]."""
+    return jnp.reshape(jnp.asarray(query_offset, jnp.int32), (1,))
+
+
 def partitioned_by_batch_and_heads(
     kernel: Kernel, operand_roles: Roles, result_roles: Roles
 ) -> Kernel:
