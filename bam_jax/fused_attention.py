@@ -408,16 +408,16 @@ def _attention_fwd(
 
 
 def _attention_bwd(config: KernelConfig, backward: Backward, spec: AttentionSpec, residuals, d_out):
-    q, k, v, inputs, derived, out, lse = residuals
+    q, k, v, inputs, _, out, lse = residuals
     if backward == "fused":
         dq, dk, dv, d_prior, d_scale = _fused_backward(config, residuals, d_out)
     else:
         dq, dk, dv, d_prior, d_scale = flash_backward(
             q, k, v, spec, inputs, out, lse, d_out, block=BLOCKWISE_BACKWARD_BLOCK
         )
-    no_cotangent = jax.tree.map(lambda _: None, (inputs, derived))
-    d_inputs = no_cotangent[0].replace(prior=d_prior, ssmax_scale_H=d_scale)
-    return dq, dk, dv, d_inputs, no_cotangent[1]
+    # None: no cotangent for the segment ids, the offset, the cap and the derived inputs.
+    d_inputs = AttentionInputs(prior=d_prior, ssmax_scale_H=d_scale, query_offset=None)
+    return dq, dk, dv, d_inputs, None
 
 
 def _fused_backward(config: KernelConfig, residuals, d_out):
