@@ -23,8 +23,10 @@ counts and the loops are then O(window + T), not O(S), bit for bit the same outp
 
 The gradient is a custom VJP in the FlashAttention-2 style: probabilities are
 recomputed from the saved log-sum-exp in one pass over key blocks (outer) and the
-query blocks that see them (inner), accumulating dq in place. The Pallas kernels'
-custom VJP runs the same backward (`flash_backward`) on their output and log-sum-exp.
+query blocks that see them (inner), accumulating dq in place. With a prior, a second,
+lighter pass over the same tiles takes each query's rounding residue out of the table's
+cotangent (`_prior_cotangent_residue`). The Pallas kernels' custom VJP runs the same
+backward (`flash_backward`) on their output and log-sum-exp.
 
 Tiles are [I, J, *] with I = K (a tile per key/value head) and J = G * M rows (the query
 block of every query head sharing that key/value head), so every product is a plain
@@ -40,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -540,82 +543,182 @@ def _backward(static: _Static, residuals, d_out):
     units).
     """
     bias_table, scale, padded, out, lse = residuals
-    q, k, v, q_seg, k_seg, offset, log_n, single_key_BxT = padded
+    q, k, v = padded.q, padded.k, padded.v
     batch, q_len, _, head_dim = q.shape
     bq, bk = static.block_q, static.block_k
-    num_q_blocks, num_k_blocks = q_len // bq, k.shape[1] // bk
+    num_q_blocks = q_len // bq
     sqrt_d = jnp.float32(math.sqrt(head_dim))
     delta_BxHxT = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
     zeros = functools.partial(jax.tree.map, jnp.zeros_like)
+    tile_at = functools.partial(_TransposedTile.at, static, bias_table, scale, padded, lse)
 
     def key_block(carry, kb):
         k_start = kb * bk
         k_tile, v_tile = _keys_tile(k, k_start, bk), _keys_tile(v, k_start, bk)
         k_tile_t = jnp.swapaxes(k_tile, 1, 2)
-        k_seg_tile = _slice_or_none(k_seg, k_start, bk)
-        k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
 
         def query_block(qb, inner):
-            dk, dv, dq, d_table, row_sums = inner
+            dk, dv, dq, d_table, row_sums, prior_row_sums = inner
             q_start = qb * bq
             q_tile = _rows_tile(static, q, q_start, bq)
             do_tile = _rows_tile(static, d_out, q_start, bq)
-            lse_row, delta_row = (
-                _row_stats(static, x, q_start, bq)[:, None, :] for x in (lse, delta_BxHxT)
-            )
-            single_key_row = _query_rows(static, single_key_BxT, q_start, batch)[:, None, :]
-            q_pos = q_start + offset + jnp.arange(bq, dtype=jnp.int32)
-            mask = _tile_mask(static, q_pos, k_pos, _slice_or_none(q_seg, q_start, bq), k_seg_tile)
-
-            scores_t = lax.dot_general(k_tile, q_tile, _NT) / sqrt_d
-            bias_t, bias_vjp = None, None
-            if bias_table is not None:
-                bias_vec = _bias_vector(static, bias_table, q_start, k_start)
-                bias_t, bias_vjp = jax.vjp(
-                    functools.partial(_tile_bias_transposed, static), bias_vec
-                )
-            factor_row = None
-            if scale is not None:
-                factor_row = _ssmax_factor(static, scale, log_n, q_start, batch)[:, None, :]
-            pre_scale, logits_t = _combine_transposed(static, scores_t, bias_t, factor_row)
-            p_t = jnp.where(single_key_row, 1.0, jnp.exp(jnp.minimum(logits_t - lse_row, 0.0)))
-            p_t = jnp.where(_expand_transposed(static, mask, batch), p_t, 0.0)
+            delta_row = _row_stats(static, delta_BxHxT, q_start, bq)[:, None, :]
+            tile = tile_at(q_tile, k_tile, q_start, k_start)
+            p_t = tile.probs
             dv = dv + lax.dot_general(p_t, do_tile, _NN)
             dp_t = lax.dot_general(v_tile, do_tile, _NT)
-            ds_t = jnp.where(single_key_row, 0.0, p_t * (dp_t - delta_row))
+            ds_t = jnp.where(tile.single_key_row, 0.0, p_t * (dp_t - delta_row))
 
             d_bias_t = ds_t
             if scale is not None:
-                row_sums = _add_row_sums(static, row_sums, ds_t, p_t, pre_scale, q_start)
-                ds_t = ds_t * factor_row
+                row_sums = _add_row_sums(static, row_sums, ds_t, p_t, tile.pre_scale, q_start)
+                ds_t = ds_t * tile.factor_row
                 if static.prior_inside:
                     d_bias_t = ds_t
             if bias_table is not None:
-                d_bias_sum = _sum_leading(_split_batch(static, d_bias_t))
-                d_table = _add_to_table(static, d_table, bias_vjp(d_bias_sum)[0], q_start, k_start)
+                d_table = _add_to_table(
+                    static, d_table, tile.bias_cotangent(static, d_bias_t), q_start, k_start
+                )
+                prior_row_sums = _add_prior_row_sums(static, prior_row_sums, d_bias_t, p_t, q_start)
             dk = dk + lax.dot_general(ds_t, q_tile, _NN) / sqrt_d
             dq_tile_t = lax.dot_general(k_tile_t, ds_t, _NN) / sqrt_d
             dq_tile = _rows_to_bthd(static, jnp.swapaxes(dq_tile_t, 1, 2), batch)
             dq_old = lax.dynamic_slice_in_dim(dq, q_start, bq, axis=1)
             dq = lax.dynamic_update_slice_in_dim(dq, dq_old + dq_tile, q_start, axis=1)
-            return dk, dv, dq, d_table, row_sums
+            return dk, dv, dq, d_table, row_sums, prior_row_sums
 
-        dq, d_table, row_sums = carry
-        lo, hi = static.mask.query_blocks(k_start, bk, offset, bq, num_q_blocks)
-        init = vary_together((zeros(k_tile), zeros(v_tile), dq, d_table, row_sums), q)
-        dk, dv, dq, d_table, row_sums = lax.fori_loop(lo, hi, query_block, init)
-        return (dq, d_table, row_sums), (dk, dv)
+        dq, d_table, row_sums, prior_row_sums = carry
+        lo, hi = static.mask.query_blocks(k_start, bk, padded.offset, bq, num_q_blocks)
+        init = vary_together(
+            (zeros(k_tile), zeros(v_tile), dq, d_table, row_sums, prior_row_sums), q
+        )
+        dk, dv, dq, d_table, row_sums, prior_row_sums = lax.fori_loop(lo, hi, query_block, init)
+        return (dq, d_table, row_sums, prior_row_sums), (dk, dv)
 
     row_sums = None
     if scale is not None:
         row_sums = _RowSums(*(jnp.zeros(lse.shape, jnp.float32) for _ in _RowSums._fields))
-    init = vary_together((jnp.zeros(q.shape, jnp.float32), zeros(bias_table), row_sums), q)
-    (dq, d_table, row_sums), (dk_blocks, dv_blocks) = lax.scan(
-        key_block, init, jnp.arange(num_k_blocks, dtype=jnp.int32)
+    prior_row_sums = None
+    if bias_table is not None:
+        prior_row_sums = _PriorRowSums(
+            *(jnp.zeros(lse.shape, jnp.float32) for _ in _PriorRowSums._fields)
+        )
+    init = (jnp.zeros(q.shape, jnp.float32), zeros(bias_table), row_sums, prior_row_sums)
+    (dq, d_table, row_sums, prior_row_sums), (dk_blocks, dv_blocks) = lax.scan(
+        key_block, vary_together(init, q), _key_block_indices(static, k)
     )
     dk, dv = (_key_blocks_to_bskd(x, k.shape) for x in (dk_blocks, dv_blocks))
-    d_scale = None if scale is None else _ssmax_scale_grad(static, row_sums, log_n)
+    d_scale = None if scale is None else _ssmax_scale_grad(static, row_sums, padded.log_n)
+    if bias_table is not None:
+        residue = _prior_cotangent_residue(static, tile_at, padded, prior_row_sums, zeros(d_table))
+        d_table = d_table - residue
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_table, d_scale
+
+
+def _key_block_indices(static: _Static, k: jax.Array) -> jax.Array:
+    return jnp.arange(k.shape[1] // static.block_k, dtype=jnp.int32)
+
+
+class _TransposedTile(NamedTuple):
+    """One tile's recomputed probabilities [I, N, J] (keys as rows) and what the backward
+    needs beside them: what the SSMax factor multiplies, the factor [I, 1, J], the
+    single-key rows [I, 1, J] and the VJP of the tile's prior bias."""
+
+    probs: jax.Array
+    pre_scale: jax.Array | None
+    factor_row: jax.Array | None
+    single_key_row: jax.Array
+    bias_vjp: Callable | None
+
+    @classmethod
+    def at(
+        cls,
+        static: _Static,
+        bias_table: jax.Array | None,
+        scale: jax.Array | None,
+        padded: _Padded,
+        lse_BxHxT: jax.Array,
+        q_IxJxD: jax.Array,
+        k_IxNxD: jax.Array,
+        q_start: jax.Array,
+        k_start: jax.Array,
+    ) -> _TransposedTile:
+        batch = padded.q.shape[0]
+        bq, bk = static.block_q, static.block_k
+        sqrt_d = jnp.float32(math.sqrt(padded.q.shape[-1]))
+        q_pos = q_start + padded.offset + jnp.arange(bq, dtype=jnp.int32)
+        k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
+        mask = _tile_mask(
+            static,
+            q_pos,
+            k_pos,
+            _slice_or_none(padded.q_seg, q_start, bq),
+            _slice_or_none(padded.k_seg, k_start, bk),
+        )
+        scores_t = lax.dot_general(k_IxNxD, q_IxJxD, _NT) / sqrt_d
+        bias_t, bias_vjp = None, None
+        if bias_table is not None:
+            bias_vec = _bias_vector(static, bias_table, q_start, k_start)
+            bias_t, bias_vjp = jax.vjp(functools.partial(_tile_bias_transposed, static), bias_vec)
+        factor_row = None
+        if scale is not None:
+            factor_row = _ssmax_factor(static, scale, padded.log_n, q_start, batch)[:, None, :]
+        pre_scale, logits_t = _combine_transposed(static, scores_t, bias_t, factor_row)
+        single_key_row = _query_rows(static, padded.single_key, q_start, batch)[:, None, :]
+        lse_row = _row_stats(static, lse_BxHxT, q_start, bq)[:, None, :]
+        p_t = jnp.where(single_key_row, 1.0, jnp.exp(jnp.minimum(logits_t - lse_row, 0.0)))
+        p_t = jnp.where(_expand_transposed(static, mask, batch), p_t, 0.0)
+        return cls(p_t, pre_scale, factor_row, single_key_row, bias_vjp)
+
+    def bias_cotangent(self, static: _Static, d_bias_t: jax.Array) -> jax.Array:
+        """The tile's [I, N, J] cotangent of its bias as one of the table's slices, [H, X']."""
+        return self.bias_vjp(_sum_leading(_split_batch(static, d_bias_t)))[0]
+
+
+class _PriorRowSums(NamedTuple):
+    """Per-query sums over keys, [B, H, T], of the bias's cotangent and of P."""
+
+    d_bias: jax.Array
+    probs: jax.Array
+
+
+def _add_prior_row_sums(static: _Static, sums: _PriorRowSums, d_bias_t, p_t, q_start):
+    return _PriorRowSums(*_added_row_sums(static, sums, (d_bias_t, p_t), q_start))
+
+
+def _prior_cotangent_residue(
+    static: _Static, tile_at, padded: _Padded, sums: _PriorRowSums, zero_table_HxX: jax.Array
+) -> jax.Array:
+    """What the table's cotangent holds of each query's rounding residue.
+
+    A softmax's gradient sums to zero over each query's keys, but the recomputed dS sums to
+    about 1e-6 of dP (delta = rowsum(dO * O) against probabilities recomputed from the
+    log-sum-exp), and the table's VJP multiplies that residue by the bias's derivative,
+    large and of one sign. The residue of query i, r_i = sum_j dS_ij / sum_j P_ij, is
+    returned spread over its keys in proportion to P: sum_i r_i P_ij along each distance,
+    one more pass over the tiles that recomputes P, so that only the table moves.
+    """
+    residue_BxHxT = sums.d_bias / jnp.where(sums.probs > 0, sums.probs, 1.0)
+    q, k = padded.q, padded.k
+    bq, bk = static.block_q, static.block_k
+    num_q_blocks = q.shape[1] // bq
+
+    def key_block(table, kb):
+        k_start = kb * bk
+        k_tile = _keys_tile(k, k_start, bk)
+
+        def query_block(qb, table):
+            q_start = qb * bq
+            tile = tile_at(_rows_tile(static, q, q_start, bq), k_tile, q_start, k_start)
+            residue_row = _row_stats(static, residue_BxHxT, q_start, bq)[:, None, :]
+            vec = tile.bias_cotangent(static, tile.probs * residue_row)
+            return _add_to_table(static, table, vec, q_start, k_start)
+
+        lo, hi = static.mask.query_blocks(k_start, bk, padded.offset, bq, num_q_blocks)
+        return lax.fori_loop(lo, hi, query_block, table), None
+
+    table = vary_together(zero_table_HxX, q)
+    return lax.scan(key_block, table, _key_block_indices(static, k))[0]
 
 
 def _add_to_table(static: _Static, table_HxX, vec_HxX, q_start, k_start) -> jax.Array:
@@ -665,15 +768,20 @@ class _RowSums(NamedTuple):
 
 def _add_row_sums(static: _Static, sums: _RowSums, ds_t, p_t, pre_scale_t, q_start) -> _RowSums:
     """sums plus the sums over one tile's keys ([I, N, J] tiles, keys as rows)."""
-    batch = ds_t.shape[0] // static.kv_heads
+    tiles = (ds_t * pre_scale_t, ds_t, p_t, p_t * pre_scale_t)
+    return _RowSums(*_added_row_sums(static, sums, tiles, q_start))
+
+
+def _added_row_sums(static: _Static, totals, tiles_IxNxJ, q_start) -> tuple[jax.Array, ...]:
+    """Each [B, H, T] total plus its tile's sums over the tile's keys."""
+    batch = tiles_IxNxJ[0].shape[0] // static.kv_heads
 
     def add(total_BxHxT, tile_IxNxJ):
         rows_BxHxM = jnp.sum(tile_IxNxJ, axis=1).reshape(batch, -1, static.block_q)
         old = lax.dynamic_slice_in_dim(total_BxHxT, q_start, static.block_q, axis=2)
         return lax.dynamic_update_slice_in_dim(total_BxHxT, old + rows_BxHxM, q_start, axis=2)
 
-    tiles = (ds_t * pre_scale_t, ds_t, p_t, p_t * pre_scale_t)
-    return _RowSums(*(add(total, tile) for total, tile in zip(sums, tiles, strict=True)))
+    return tuple(add(total, tile) for total, tile in zip(totals, tiles_IxNxJ, strict=True))
 
 
 def _ssmax_scale_grad(static: _Static, sums: _RowSums, log_n_BxT: jax.Array) -> jax.Array:
