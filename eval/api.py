@@ -198,20 +198,23 @@ def run_copy(
     samples: int = 20,
     sampling: str = "equidistant",
     data: str = CopySettings.data,
+    form: str = CopySettings.form,
     seed: int = 0,
     tokenizer: str | None = None,
     inference: InferenceSettings = InferenceSettings(),
     out: str | None = None,
     fresh: bool = False,
 ) -> Evaluation:
-    """The copy probe (bam_eval.copy_probe) per length of each model: `results[name]` lists
-    one entry per length. With `out`, results are kept in OUT/NAME/copy.json."""
+    """The copy probe (bam_eval.copy_probe) in `form` per length of each model:
+    `results[name]` lists one entry per length. With `out`, results are kept in
+    OUT/NAME/copy.json."""
     check_out_folder(out)
     tokenizers = model_tokenizers(list(models), tokenizer)
     evaluation = Evaluation({})
     for m in models:
         settings = CopySettings(
             data=data,
+            form=form,
             sampling=sampling,
             n_samples=samples,
             seed=seed,

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from bam_eval import api, plots, tables
+from bam_eval.copy_probe import FORMS
 from bam_eval.learning_curve import curve_table, run_learning_curve
 from bam_eval.models import EvalModel
 from bam_eval.perplexity import PACKINGS
@@ -225,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the text around the name: .txt/.jsonl file/dir/glob, hf:NAME, or "
         "python-stdlib:held-out",
     )
+    cp.add_argument(
+        "--form",
+        choices=FORMS,
+        default="program",
+        help="program: `NAME = None` ... `print(NA`; piece: the name alone on a line, then "
+        "its first letters on a new line (the layout of training's copy documents)",
+    )
     cp.add_argument("--seed", type=non_negative, default=0)
 
     curve = sub.add_parser(
@@ -357,6 +365,7 @@ def copy(args: argparse.Namespace, models: list[EvalModel]) -> int:
         samples=args.samples,
         sampling=args.sampling,
         data=args.data,
+        form=args.form,
         seed=args.seed,
         tokenizer=args.tokenizer,
         inference=_inference(args),
@@ -364,7 +373,10 @@ def copy(args: argparse.Namespace, models: list[EvalModel]) -> int:
         fresh=args.fresh,
     )
     train_lengths = {m.name: m.train_length for m in models}
-    print(f"\nCopy probe: names copied exactly / letters right (%), {args.samples} samples")
+    print(
+        f"\nCopy probe ({args.form} form): names copied exactly / letters right (%), "
+        f"{args.samples} samples"
+    )
     print(tables.copy_table(evaluation.results, train_lengths))
     for m in models:
         print(f"results: {os.path.join(args.out, m.name, 'copy.json')}")

@@ -2,9 +2,16 @@
 
 A language model that retrieves a passkey must first be able to copy; this probe asks for
 copying alone, with nothing of the passkey prompt. A sample of `target_length` tokens is
-held-out text (by default the standard library files held out of training) with one line
-`NAME = None` at a depth given by the sampling rule, ending in `print(` and the name's
-first `GIVEN_LETTERS` letters. NAME is `NAME_LETTERS` random lowercase letters. The model's
+held-out text (by default the standard library files held out of training) with the name
+written once at a depth given by the sampling rule, and ending in the name's first
+`GIVEN_LETTERS` letters. Two forms (`FORMS`):
+
+- program: a line `NAME = None`, and the sample ends in `print(` and the first letters;
+- piece: the name alone on a line, and the sample ends in a new line and the first letters:
+  the layout of the copy documents that training mixes in (`data.copy_seeding`). A model
+  trained on them is in distribution here at its training length, so this form says
+  whether it copies at all before the other asks whether it copies far.
+ NAME is `NAME_LETTERS` random lowercase letters. The model's
 greedy teacher-forced predictions of the remaining letters are scored: a sample is correct
 when every one is right, and `letter_accuracy` is the share of letters right (chance is
 about 1 in 26). The distance from the definition to the question runs from about the whole
@@ -32,6 +39,7 @@ logger = logging.getLogger("bam.eval")
 NAME_LETTERS = 24
 GIVEN_LETTERS = 2
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+FORMS = ("program", "piece")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +47,7 @@ class CopySettings:
     """Everything besides the length that changes a copy-probe result."""
 
     data: str = STDLIB_HELD_OUT
+    form: str = "program"
     sampling: str = "equidistant"
     n_samples: int = 20
     seed: int = 0
@@ -49,6 +58,8 @@ class CopySettings:
     def __post_init__(self) -> None:
         if self.n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+        if self.form not in FORMS:
+            raise ValueError(f"copy probe form must be one of {FORMS}, got {self.form!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,7 +99,7 @@ def copy_samples(
     windows from `filler` (a token stream at least `target_length` long)."""
     rng = np.random.default_rng([settings.seed, target_length])
     names = ["".join(rng.choice(LETTERS, NAME_LETTERS)) for _ in range(settings.n_samples)]
-    pieces = [_pieces(tokenizer, name) for name in names]
+    pieces = [_pieces(tokenizer, name, settings.form) for name in names]
     n_filler = target_length - max(sum(len(p) for p in piece) for piece in pieces)
     if n_filler < 0:
         raise ValueError(
@@ -115,14 +126,16 @@ def copy_samples(
     return samples
 
 
-def _pieces(tokenizer: Tokenizer, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _pieces(
+    tokenizer: Tokenizer, name: str, form: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The definition line, the question up to the given letters, and the rest of the name."""
     encode = lambda text: np.asarray(tokenizer.encode(text), np.int32)
-    return (
-        encode(f"\n{name} = None\n"),
-        encode(f"\nprint({name[:GIVEN_LETTERS]}"),
-        encode(name[GIVEN_LETTERS:]),
-    )
+    definition, question = {
+        "program": (f"\n{name} = None\n", f"\nprint({name[:GIVEN_LETTERS]}"),
+        "piece": (f"\n{name}\n", f"\n{name[:GIVEN_LETTERS]}"),
+    }[form]
+    return encode(definition), encode(question), encode(name[GIVEN_LETTERS:])
 
 
 def score_copy_samples(

@@ -1,5 +1,7 @@
-"""A run's learning curve: the zero-shot copy probe and passkey accuracy of each checkpoint it
-kept, against the tokens it had trained on (`bam-eval curve RUN`).
+"""A run's learning curve: the zero-shot copy probe (both forms) and passkey accuracy of each
+checkpoint it kept, against the tokens it had trained on (`bam-eval curve RUN`). The copy
+probe's piece form is the layout of training's copy documents: where it stays at chance, the
+model does not copy yet, and no retrieval can be expected of it.
 
 Each checkpoint is scored with `run_copy` and `run_passkey`, so its results also land in
 OUT/NAME/copy.json and passkey.json (keyed by the checkpoint) and are not computed again;
@@ -14,6 +16,7 @@ from typing import Any
 
 from bam_eval import api, plots, tables
 from bam_eval.api import InferenceSettings
+from bam_eval.copy_probe import FORMS
 from bam_eval.models import parse_model_arg
 from bam_jax.io.checkpoints import checkpoint_steps
 
@@ -45,7 +48,12 @@ def run_learning_curve(
     steps = checkpoint_steps(path)
     if not steps:
         raise ValueError(f"model {run!r}: no checkpoints in {path!r} to draw a curve from")
-    settings = {"multiples": list(multiples), "samples": samples, "dtype": inference.dtype}
+    settings = {
+        "multiples": list(multiples),
+        "samples": samples,
+        "dtype": inference.dtype,
+        "copy_forms": list(FORMS),
+    }
     points, store = [], None
     for step in steps:
         (model,) = api.load_models([f"{name}={path}@{step}"])
@@ -71,9 +79,12 @@ def _score(
     inference: InferenceSettings,
     out: str | None,
 ) -> dict[str, Any]:
-    copy = api.run_copy(
-        [model], multiples=multiples, samples=samples, inference=inference, out=out
-    ).results[model.name]
+    copy, piece = (
+        api.run_copy(
+            [model], multiples=multiples, samples=samples, form=form, inference=inference, out=out
+        ).results[model.name]
+        for form in FORMS
+    )
     passkey = api.run_passkey(
         [model],
         multiples=multiples,
@@ -88,6 +99,8 @@ def _score(
         "tokens": trained_tokens(model.training, step),
         "copy": {_multiple(e, model): e["accuracy"] for e in copy},
         "copy_letters": {_multiple(e, model): e["letter_accuracy"] for e in copy},
+        "piece": {_multiple(e, model): e["accuracy"] for e in piece},
+        "piece_letters": {_multiple(e, model): e["letter_accuracy"] for e in piece},
         "passkey": {_multiple(e, model): e["accuracy"] for e in passkey},
     }
 
@@ -97,13 +110,19 @@ def _multiple(entry: dict[str, Any], model: api.EvalModel) -> str:
 
 
 def curve_table(points: Sequence[dict[str, Any]]) -> str:
-    """One row per checkpoint: tokens, then names copied / letters right and passkey (%)."""
+    """One row per checkpoint: tokens, then names copied / letters right (%) in the copy
+    probe's piece and program forms, and passkey (%)."""
     multiples = list(points[0]["copy"])
     header = ["step", "tokens"]
-    header += [f"copy {m}" for m in multiples] + [f"passkey {m}" for m in multiples]
+    header += [f"{form} {m}" for form in ("piece", "copy") for m in multiples]
+    header += [f"passkey {m}" for m in multiples]
     rows = [
         [str(p["step"]), f"{p['tokens'] / 1e6:.1f}M"]
-        + [f"{100 * p['copy'][m]:.0f} / {100 * p['copy_letters'][m]:.0f}" for m in multiples]
+        + [
+            f"{100 * p[form][m]:.0f} / {100 * p[f'{form}_letters'][m]:.0f}"
+            for form in ("piece", "copy")
+            for m in multiples
+        ]
         + [f"{100 * p['passkey'][m]:.0f}" for m in multiples]
         for p in points
     ]

@@ -392,8 +392,9 @@ def format_cell(value: Any) -> str:
 
 def learning_curve(points: Sequence[Mapping[str, Any]], path: str, *, title: str) -> str:
     """Zero-shot accuracy of each checkpoint against the tokens trained on: whole names
-    copied (solid), letters of the names (dotted) and passkeys (dashed), one colour per
-    multiple of the training length."""
+    copied (solid), letters of the names (dotted), letters of the names in the copy probe's
+    piece form (dash-dot) and passkeys (dashed), one colour per multiple of the training
+    length."""
     fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
     millions = [p["tokens"] / 1e6 for p in points]
     for i, multiple in enumerate(points[0]["copy"]):
@@ -401,6 +402,7 @@ def learning_curve(points: Sequence[Mapping[str, Any]], path: str, *, title: str
         for key, style, what in (
             ("copy", "-", "copy probe, names"),
             ("copy_letters", ":", "copy probe, letters"),
+            ("piece_letters", "-.", "copy probe, piece form, letters"),
             ("passkey", "--", "passkey"),
         ):
             ys = [100.0 * p[key][multiple] for p in points]

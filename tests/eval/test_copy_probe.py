@@ -58,6 +58,25 @@ def test_each_sample_defines_its_name_once_and_asks_for_it_at_the_end(filler):
     assert samples[0].distance > 2000 > 100 > samples[-1].distance
 
 
+def test_the_piece_form_writes_the_name_alone_on_a_line_as_copy_documents_do(filler):
+    settings = CopySettings(n_samples=4, form="piece")
+    samples = copy_samples(TOKENIZER, filler, 1024, settings)
+    program = copy_samples(TOKENIZER, filler, 1024, CopySettings(n_samples=4))
+    assert [s.name for s in samples] == [s.name for s in program]
+    for s in samples:
+        text = _text(s.tokens)
+        assert len(s.tokens) == 1024 and text.count(s.name) == 2
+        assert text.count(f"\n{s.name}\n") == 1 and f"{s.name} = None" not in text
+        assert text.endswith(f"\n{s.name}")
+        assert _text(s.tokens[s.answer_positions]) == s.name[GIVEN_LETTERS:]
+    assert samples[0].distance > 900 > 100 > samples[-1].distance
+
+
+def test_an_unknown_form_is_refused_naming_the_forms():
+    with pytest.raises(ValueError, match=r"form must be one of \('program', 'piece'\), got 'code'"):
+        CopySettings(form="code")
+
+
 def test_scores_count_letters_and_whole_names(filler):
     samples = copy_samples(TOKENIZER, filler, 512, CopySettings(n_samples=3))
     letters, exact = score_copy_samples(_Oracle(), samples, batch_size=2)

@@ -71,12 +71,14 @@ def test_the_learning_curve_scores_every_kept_checkpoint(workdir, tmp_path, caps
     argv = ["curve", f"m={workdir}", "--out", str(out), "--samples", "2"]
     assert bam_eval(argv) == 0
     printed = capsys.readouterr().out
-    assert "Learning curve of m" in printed and "copy 1x" in printed
+    assert "Learning curve of m" in printed and "copy 1x" in printed and "piece 1x" in printed
     results = json.loads((out / "m" / "curve.json").read_text())
     (run,) = results["runs"].values()
     assert sorted(run["entries"], key=int) == ["2"]
     point = run["entries"]["2"]
     assert point["tokens"] == 2 * 4 * 96 and set(point["passkey"]) == {"1x"}
-    assert 0 <= point["copy_letters"]["1x"] <= 1
+    assert 0 <= point["copy_letters"]["1x"] <= 1 and 0 <= point["piece_letters"]["1x"] <= 1
+    copy_runs = json.loads((out / "m" / "copy.json").read_text())["runs"].values()
+    assert {r["settings"]["form"] for r in copy_runs} == {"program", "piece"}
     _check_provenance(results["invocations"][0])
     assert (out / "m" / "curve.png").stat().st_size > 0
