@@ -7,6 +7,8 @@ import tempfile
 import jax
 import pytest
 
+from tests.support import SUITE_XLA_FLAGS
+
 pytest_plugins = ("tests.support.compile_report",)
 
 _OWNED_CACHES = pytest.StashKey[list[str]]()
@@ -16,7 +18,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Many tests compile the same programs (one model, one train step) and the CPU
     kernel: every test, xdist worker and subprocess of the session shares one persistent
     compilation cache and one kernel cache, never the user's. The controller makes them
-    before the workers start, and they inherit them with the environment."""
+    before the workers start, and they inherit them with the environment, as they do the
+    suite's compiler flags (`SUITE_XLA_FLAGS`), which jax reads when its backend starts."""
     owned = []
     for variable, prefix in (
         ("JAX_COMPILATION_CACHE_DIR", "bam_jax_xla_cache_"),
@@ -26,6 +29,9 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
             owned.append(os.environ[variable])
     config.stash[_OWNED_CACHES] = owned
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {SUITE_XLA_FLAGS}".strip()
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

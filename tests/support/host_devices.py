@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, host_device_flags
 
 REPO = REPO_ROOT
 
@@ -27,7 +27,7 @@ def run_on_host_devices(
     test with the end of its stderr unless it exits 0."""
     environment = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": host_device_flags(devices),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(REPO),
         **(env or {}),

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, host_device_flags
 
 REPO = str(REPO_ROOT)
 
@@ -82,7 +82,7 @@ def start_two_processes(
     """Both processes of a two-process micro run (one CPU device each, over gloo), logging
     every step; their stdout and stderr are pipes."""
     port = port or free_port()
-    env = {**subprocess_environment(), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**subprocess_environment(), "XLA_FLAGS": host_device_flags(1)}
     command = [
         *micro_command(workdir, steps),
         "--noconfig.progress_bar",

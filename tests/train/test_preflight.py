@@ -17,7 +17,7 @@ from bam_train.data import BatchLayout, val_batches
 from bam_train.dry_run import dry_run, format_dry_run
 from bam_train.setup import build
 from bam_train.shards import write_shards
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, host_device_flags
 from tests.support.byte_runs import short_run_config
 
 REPO = str(REPO_ROOT)
@@ -102,7 +102,7 @@ def run_dry_run(args: list[str], timeout: int = 1200) -> subprocess.CompletedPro
     """`bam-train --dry-run` on 8 CPU devices laid out as (data 2, fsdp 4)."""
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": host_device_flags(8),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": REPO,
     }

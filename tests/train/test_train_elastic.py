@@ -14,7 +14,7 @@ import pytest
 
 from bam_configs.presets import preset
 from bam_train.data import BatchLayout, train_iterator
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, host_device_flags
 from tests.support.train_runs import free_port
 
 REPO = str(REPO_ROOT)
@@ -24,7 +24,7 @@ SAVED_STEP, STEPS = 2, 4
 def _env(devices: int) -> dict[str, str]:
     return {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": host_device_flags(devices),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": REPO,
     }

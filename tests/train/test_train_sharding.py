@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 
 from bam_configs.training import MeshConfig
 from bam_train.sharding import logical_to_spec, make_mesh
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, host_device_flags
 from tests.support.host_devices import host_devices_result, run_on_host_devices
 from tests.support.train_runs import free_port
 
@@ -104,7 +104,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
     port = free_port()
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": host_device_flags(2),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": REPO,
     }
@@ -129,7 +129,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tmp_path):
     ]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
-    single_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    single_env = {**env, "XLA_FLAGS": host_device_flags(4)}
     proc = subprocess.run(
         [sys.executable, "-m", "bam_train", *_train_args(single)],
         env=single_env,
