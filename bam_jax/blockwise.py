@@ -682,12 +682,18 @@ class _PriorRowSums(NamedTuple):
     probs: jax.Array
 
 
-def _add_prior_row_sums(static: _Static, sums: _PriorRowSums, d_bias_t, p_t, q_start):
+def _add_prior_row_sums(
+    static: _Static, sums: _PriorRowSums, d_bias_t: jax.Array, p_t: jax.Array, q_start
+) -> _PriorRowSums:
     return _PriorRowSums(*_added_row_sums(static, sums, (d_bias_t, p_t), q_start))
 
 
 def _prior_cotangent_residue(
-    static: _Static, tile_at, padded: _Padded, sums: _PriorRowSums, zero_table_HxX: jax.Array
+    static: _Static,
+    tile_at: Callable[..., _TransposedTile],
+    padded: _Padded,
+    sums: _PriorRowSums,
+    zero_table_HxX: jax.Array,
 ) -> jax.Array:
     """What the table's cotangent holds of each query's rounding residue.
 
