@@ -579,6 +579,7 @@ def _backward(static: _Static, residuals, d_out):
                 d_table = _add_to_table(
                     static, d_table, tile.bias_cotangent(static, d_bias_t), q_start, k_start
                 )
+            if prior_row_sums is not None:
                 prior_row_sums = _add_prior_row_sums(static, prior_row_sums, d_bias_t, p_t, q_start)
             dk = dk + lax.dot_general(ds_t, q_tile, _NN) / sqrt_d
             dq_tile_t = lax.dot_general(k_tile_t, ds_t, _NN) / sqrt_d
@@ -599,7 +600,7 @@ def _backward(static: _Static, residuals, d_out):
     if scale is not None:
         row_sums = _RowSums(*(jnp.zeros(lse.shape, jnp.float32) for _ in _RowSums._fields))
     prior_row_sums = None
-    if bias_table is not None:
+    if bias_table is not None and scale is None:
         prior_row_sums = _PriorRowSums(
             *(jnp.zeros(lse.shape, jnp.float32) for _ in _PriorRowSums._fields)
         )
@@ -610,6 +611,8 @@ def _backward(static: _Static, residuals, d_out):
     dk, dv = (_key_blocks_to_bskd(x, k.shape) for x in (dk_blocks, dv_blocks))
     d_scale = None if scale is None else _ssmax_scale_grad(static, row_sums, padded.log_n)
     if bias_table is not None:
+        if scale is not None:
+            prior_row_sums = _prior_row_sums_from_ssmax(static, row_sums, scale, padded.log_n)
         residue = _prior_cotangent_residue(static, tile_at, padded, prior_row_sums, zeros(d_table))
         d_table = d_table - residue
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_table, d_scale
@@ -676,10 +679,22 @@ class _TransposedTile(NamedTuple):
 
 
 class _PriorRowSums(NamedTuple):
-    """Per-query sums over keys, [B, H, T], of the bias's cotangent and of P."""
+    """Per-query sums over keys, [B, H, T], of the bias's cotangent and of P (accumulated
+    only without SSMax; with it they follow from `_RowSums`)."""
 
     d_bias: jax.Array
     probs: jax.Array
+
+
+def _prior_row_sums_from_ssmax(
+    static: _Static, sums: _RowSums, scale_KxG: jax.Array, log_n_BxT: jax.Array
+) -> _PriorRowSums:
+    """The prior's row sums from SSMax's, which hold the same sums of dS and P: the bias
+    sees dS times the query's factor s_h log(n_i) when the prior is inside SSMax."""
+    d_bias = sums.d_logits
+    if static.prior_inside:
+        d_bias = d_bias * (scale_KxG.reshape(-1)[None, :, None] * log_n_BxT[:, None, :])
+    return _PriorRowSums(d_bias, sums.probs)
 
 
 def _add_prior_row_sums(
