@@ -7,7 +7,7 @@ import tempfile
 import jax
 import pytest
 
-from tests.support import SUITE_XLA_FLAGS
+from tests.support import suite_xla_flags
 
 pytest_plugins = ("tests.support.compile_report",)
 
@@ -19,7 +19,7 @@ def pytest_configure(config: pytest.Config) -> None:
     kernel: every test, xdist worker and subprocess of the session shares one persistent
     compilation cache and one kernel cache, never the user's. The controller makes them
     before the workers start, and they inherit them with the environment, as they do the
-    suite's compiler flags (`SUITE_XLA_FLAGS`), which jax reads when its backend starts."""
+    suite's compiler flags (`suite_xla_flags`), which jax reads when its backend starts."""
     owned = []
     for variable, prefix in (
         ("JAX_COMPILATION_CACHE_DIR", "bam_jax_xla_cache_"),
@@ -31,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_OWNED_CACHES] = owned
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {SUITE_XLA_FLAGS}".strip()
+        os.environ["XLA_FLAGS"] = f"{flags} {suite_xla_flags()}".strip()
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
