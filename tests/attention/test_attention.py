@@ -17,138 +17,34 @@ from bam_jax.attention import dot_product_attention
 from bam_jax.implementation import resolve_implementation
 from bam_jax.masking import window_keys
 from bam_jax.priors import AlibiPrior, GGDPrior, alibi_slopes, init_ggd_prior
+from tests.support.attention_cases import (
+    Case,
+    assert_close,
+    check_against_reference,
+    make_inputs,
+    values_and_gradients,
+)
 from tests.support.grids import slow_unless
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    q_len: int
-    kv_len: int | None = None  # None: same as q_len
-    block_q: int = 64
-    block_k: int = 64
-    offset: int = 0
-    traced_offset: bool = False
-    theta_beta: float | None = 1.0  # None: no prior
-    theta_mu: float = 0.0
-    documents: bool = False
-    ssmax: bool = False
-    prior_inside: bool = True
-    heads: int = 4
-    kv_heads: int = 4
-    window: int | None = None
-    causal: bool = True
-    batch: int = 2
-    head_dim: int = 16
-    ssmax_max_count: int | None = None
-
-    @property
-    def keys(self) -> int:
-        return self.q_len if self.kv_len is None else self.kv_len
-
-
-def make_inputs(case: Case, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    b, t, s, d = case.batch, case.q_len, case.keys, case.head_dim
-    inputs = {
-        "q": jnp.asarray(rng.normal(size=(b, t, case.heads, d)), jnp.float32),
-        "k": jnp.asarray(rng.normal(size=(b, s, case.kv_heads, d)), jnp.float32),
-        "v": jnp.asarray(rng.normal(size=(b, s, case.kv_heads, d)), jnp.float32),
-        "cotangent": jnp.asarray(rng.normal(size=(b, t, case.heads, d)), jnp.float32),
-        "prior": None,
-        "ssmax": None,
-        "q_seg": None,
-        "k_seg": None,
-    }
-    if case.theta_beta is not None:
-        inputs["prior"] = GGDPrior(
-            theta_alpha_H=jnp.asarray(np.log(rng.uniform(0.05, 0.6, case.heads)), jnp.float32),
-            theta_beta_H=jnp.asarray(case.theta_beta + 0.1 * np.arange(case.heads), jnp.float32),
-            theta_mu_H=jnp.full((case.heads,), case.theta_mu, jnp.float32),
-        )
-    if case.ssmax:
-        inputs["ssmax"] = jnp.asarray(rng.uniform(0.5, 1.5, case.heads), jnp.float32)
-    if case.documents:
-        inputs["k_seg"] = jnp.asarray(random_segments(rng, b, s))
-        if case.offset == 0 and t == s:
-            inputs["q_seg"] = inputs["k_seg"]
-        else:
-            q_seg = np.asarray(inputs["k_seg"])[:, np.clip(np.arange(t) + case.offset, 0, s - 1)]
-            inputs["q_seg"] = jnp.asarray(q_seg)
-    return inputs
-
-
-def random_segments(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
-    """Packed documents of random lengths, the last few slots padding (-1)."""
-    rows = []
-    for _ in range(batch):
-        cuts = np.sort(
-            rng.choice(np.arange(1, max(length, 2)), size=min(3, length - 1), replace=False)
-        )
-        row = np.searchsorted(cuts, np.arange(length), side="right").astype(np.int32)
-        pad = rng.integers(0, max(1, length // 8) + 1)
-        if pad:
-            row[length - pad :] = -1
-        rows.append(row)
-    return np.stack(rows)
-
-
-def attention_and_grads(case: Case, inputs: dict, implementation: str):
-    offset = jnp.int32(case.offset) if case.traced_offset else case.offset
-
-    def loss(q, k, v, prior, ssmax):
-        out = dot_product_attention(
-            q,
-            k,
-            v,
-            prior=prior,
-            ssmax_scale_H=ssmax,
-            ssmax_prior_inside=case.prior_inside,
-            query_segment_ids_BxT=inputs["q_seg"],
-            key_segment_ids_BxS=inputs["k_seg"],
-            query_offset=offset,
-            causal=case.causal,
-            window=case.window,
-            ssmax_max_count=case.ssmax_max_count,
-            implementation=implementation,
-            block_q=case.block_q,
-            block_k=case.block_k,
-        )
-        return jnp.sum(out * inputs["cotangent"]), out
-
-    grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
-    (_, out), grads = grad_fn(
-        inputs["q"], inputs["k"], inputs["v"], inputs["prior"], inputs["ssmax"]
-    )
-    return out, grads
-
-
-def assert_close(actual, expected, rtol: float = 1e-5, name: str = "") -> None:
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape, name
-    assert np.all(np.isfinite(actual)), f"{name}: non-finite values"
-    atol = rtol * max(float(np.max(np.abs(expected), initial=0.0)), 1e-6)
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=name)
-
-
-def check_against_reference(case: Case, rtol: float = 1e-5) -> None:
-    inputs = make_inputs(case)
-    out_ref, grads_ref = attention_and_grads(case, inputs, "reference")
-    out_blk, grads_blk = attention_and_grads(case, inputs, "blockwise")
-    assert_close(out_blk, out_ref, rtol, "output")
-    names = ("dq", "dk", "dv", "dprior", "dssmax")
-    for name, g_blk, g_ref in zip(names, grads_blk, grads_ref, strict=True):
-        leaves_blk, leaves_ref = jax.tree.leaves(g_blk), jax.tree.leaves(g_ref)
-        assert len(leaves_blk) == len(leaves_ref), name
-        for leaf_blk, leaf_ref in zip(leaves_blk, leaves_ref, strict=True):
-            assert_close(leaf_blk, leaf_ref, rtol, name)
+def case_of(theta_beta: float | None = 1.0, **fields) -> Case:
+    """This file's cases: 4 query and 4 key heads of 16 features, tiles of 64, and a GGD
+    prior whose shape starts at `theta_beta` and grows by 0.1 a head (None: no prior)."""
+    heads = fields.get("heads", 4)
+    if theta_beta is None:
+        prior = {"prior": None}
+    else:
+        prior = {"betas": tuple(round(theta_beta + 0.1 * h, 6) for h in range(heads))}
+    defaults = dict(kv_heads=4, head_dim=16, block_q=64, block_k=64)
+    return Case(**{**defaults, **prior, **fields})
 
 
 # A covering subset of the grid: every length, block sizes that divide it and that do
 # not, each sign of beta, both SSMax orders and every feature appear at least once.
 DEFAULT_CASES = [
-    Case(q_len=1, block_q=16, block_k=16),
-    Case(q_len=7, block_q=4, block_k=2, theta_beta=-0.6, documents=True, ssmax=True),
-    Case(
+    case_of(q_len=1, block_q=16, block_k=16),
+    case_of(q_len=7, block_q=4, block_k=2, theta_beta=-0.6, documents=True, ssmax=True),
+    case_of(
         q_len=64,
         block_q=16,
         block_k=32,
@@ -158,11 +54,11 @@ DEFAULT_CASES = [
         ssmax=True,
         prior_inside=False,
     ),
-    Case(q_len=129, block_q=128, block_k=16, theta_beta=1.7, theta_mu=-0.3, window=20),
-    Case(
+    case_of(q_len=129, block_q=128, block_k=16, theta_beta=1.7, theta_mu=-0.3, window=20),
+    case_of(
         q_len=129, block_q=512, block_k=512, theta_beta=None, ssmax=True, kv_heads=1, causal=False
     ),
-    Case(
+    case_of(
         q_len=64,
         kv_len=129,
         block_q=16,
@@ -172,7 +68,7 @@ DEFAULT_CASES = [
         causal=False,
         ssmax=True,
     ),
-    Case(
+    case_of(
         q_len=24,
         kv_len=129,
         offset=40,
@@ -185,7 +81,7 @@ DEFAULT_CASES = [
         prior_inside=False,
         kv_heads=2,
     ),
-    Case(
+    case_of(
         q_len=1000,
         block_q=512,
         block_k=512,
@@ -198,16 +94,16 @@ DEFAULT_CASES = [
         batch=1,
     ),
     # An odd batch: the prior gradient's batch sum halves [5, ...] into 2 + 2 + 1 rows.
-    Case(q_len=50, block_q=16, block_k=16, theta_beta=0.7, ssmax=True, batch=5),
+    case_of(q_len=50, block_q=16, block_k=16, theta_beta=0.7, ssmax=True, batch=5),
     # theta_beta near -8: the prior at d = mu saturates instead of overflowing to inf.
-    Case(q_len=70, block_q=16, block_k=32, theta_beta=-8.0, documents=True, ssmax=True),
+    case_of(q_len=70, block_q=16, block_k=32, theta_beta=-8.0, documents=True, ssmax=True),
     # SSMax's key count capped below the longest rows' counts.
-    Case(q_len=100, block_q=32, block_k=16, documents=True, ssmax=True, ssmax_max_count=30),
+    case_of(q_len=100, block_q=32, block_k=16, documents=True, ssmax=True, ssmax_max_count=30),
     # A zero window (each query sees itself) after an offset.
-    Case(q_len=33, kv_len=600, offset=300, block_q=16, block_k=32, window=0, ssmax=True),
+    case_of(q_len=33, kv_len=600, offset=300, block_q=16, block_k=32, window=0, ssmax=True),
     # A causal window over a long cache (a local layer), near the end of the cache where the
     # cut to the window's blocks cannot start at a block boundary.
-    Case(
+    case_of(
         q_len=40,
         kv_len=1000,
         offset=955,
@@ -224,7 +120,7 @@ DEFAULT_CASES = [
 
 # More combinations of the same features, run with the full grid.
 SLOW_CASES = [
-    Case(
+    case_of(
         q_len=50,
         kv_len=1000,
         offset=700,
@@ -237,13 +133,17 @@ SLOW_CASES = [
         kv_heads=2,
         batch=1,
     ),
-    Case(q_len=7, block_q=16, block_k=16, theta_beta=1.7, ssmax=True),
-    Case(q_len=129, block_q=32, block_k=64, theta_beta=-0.6, documents=True, ssmax=True),
-    Case(q_len=24, kv_len=129, offset=70, block_q=16, block_k=32, theta_beta=0.5, ssmax=True),
-    Case(q_len=1000, block_q=256, block_k=128, theta_beta=0.5, documents=True, ssmax=True, batch=1),
-    Case(q_len=64, kv_len=1000, offset=500, traced_offset=True, block_q=32, block_k=128, batch=1),
-    Case(q_len=33, block_q=16, block_k=32, theta_beta=-0.6, documents=True, batch=3),
-    Case(
+    case_of(q_len=7, block_q=16, block_k=16, theta_beta=1.7, ssmax=True),
+    case_of(q_len=129, block_q=32, block_k=64, theta_beta=-0.6, documents=True, ssmax=True),
+    case_of(q_len=24, kv_len=129, offset=70, block_q=16, block_k=32, theta_beta=0.5, ssmax=True),
+    case_of(
+        q_len=1000, block_q=256, block_k=128, theta_beta=0.5, documents=True, ssmax=True, batch=1
+    ),
+    case_of(
+        q_len=64, kv_len=1000, offset=500, traced_offset=True, block_q=32, block_k=128, batch=1
+    ),
+    case_of(q_len=33, block_q=16, block_k=32, theta_beta=-0.6, documents=True, batch=3),
+    case_of(
         q_len=70,
         block_q=32,
         block_k=16,
@@ -252,7 +152,7 @@ SLOW_CASES = [
         ssmax=True,
         prior_inside=False,
     ),
-    Case(
+    case_of(
         q_len=24,
         kv_len=129,
         offset=90,
@@ -265,7 +165,7 @@ SLOW_CASES = [
         kv_heads=2,
         ssmax_max_count=64,
     ),
-    Case(q_len=30, kv_len=1000, offset=10, block_q=16, block_k=64, window=20, ssmax=True),
+    case_of(q_len=30, kv_len=1000, offset=10, block_q=16, block_k=64, window=20, ssmax=True),
 ]
 
 
@@ -291,13 +191,15 @@ def test_window_keys_cut_whole_blocks_that_hold_the_window() -> None:
 
 @pytest.mark.parametrize("offset", slow_unless([0, 10, 700, 955], default=[955]))
 def test_cutting_a_window_from_a_long_cache_changes_no_bit(monkeypatch, offset: int) -> None:
-    case = Case(q_len=45, kv_len=1000, offset=offset, block_q=16, block_k=64, window=20, ssmax=True)
+    case = case_of(
+        q_len=45, kv_len=1000, offset=offset, block_q=16, block_k=64, window=20, ssmax=True
+    )
     inputs = make_inputs(case)
-    out_cut, grads_cut = attention_and_grads(case, inputs, "blockwise")
+    out_cut, grads_cut = values_and_gradients(case, inputs, "blockwise")
     monkeypatch.setattr(
         attention_inputs, "window_keys", lambda k, v, seg, off, **_: (k, v, seg, off)
     )
-    out_whole, grads_whole = attention_and_grads(case, inputs, "blockwise")
+    out_whole, grads_whole = values_and_gradients(case, inputs, "blockwise")
     if offset != 955:  # there the cut starts between blocks: same function, other tiles
         np.testing.assert_array_equal(out_cut, out_whole)
     assert_close(out_cut, out_whole)
@@ -314,7 +216,7 @@ def _full_grid() -> list[Case]:
         lengths, blocks, betas, (False, True), ((False, True), (True, True), (True, False))
     ):
         cases.append(
-            Case(
+            case_of(
                 q_len=length,
                 block_q=block,
                 block_k=max(16, block // 4),
@@ -329,7 +231,7 @@ def _full_grid() -> list[Case]:
         )
     for offset, window in itertools.product((0, 100, 900), (None, 64)):
         cases.append(
-            Case(
+            case_of(
                 q_len=100, kv_len=1000, offset=offset, traced_offset=True, window=window, ssmax=True
             )
         )
@@ -343,7 +245,7 @@ def test_blockwise_matches_reference_full_grid(case: Case) -> None:
 
 
 def test_bfloat16_inputs_compute_in_float32() -> None:
-    case = Case(q_len=40, block_q=16, block_k=16, theta_beta=0.5, ssmax=True)
+    case = case_of(q_len=40, block_q=16, block_k=16, theta_beta=0.5, ssmax=True)
     inputs = make_inputs(case)
     q, k, v = (inputs[n].astype(jnp.bfloat16) for n in ("q", "k", "v"))
 
@@ -376,11 +278,11 @@ def test_bfloat16_inputs_compute_in_float32() -> None:
 
 
 def test_queries_without_visible_keys_give_zero_output_and_gradient() -> None:
-    case = Case(q_len=20, block_q=8, block_k=8, documents=True, ssmax=True, batch=1)
+    case = case_of(q_len=20, block_q=8, block_k=8, documents=True, ssmax=True, batch=1)
     inputs = make_inputs(case)
     segments = jnp.asarray([[0] * 10 + [-1] * 10], jnp.int32)
     inputs["q_seg"] = inputs["k_seg"] = segments
-    out, grads = attention_and_grads(case, inputs, "blockwise")
+    out, grads = values_and_gradients(case, inputs, "blockwise")
     padded = np.asarray(segments[0]) < 0
     assert np.all(np.asarray(out)[:, padded] == 0.0)
     for leaf in jax.tree.leaves(grads):
@@ -397,7 +299,7 @@ def _attend(q, k, v, prior, implementation="blockwise"):
 
 
 def test_alibi_configured_ggd_equals_closed_form_alibi() -> None:
-    case = Case(q_len=60, heads=8, kv_heads=8, batch=1)
+    case = case_of(q_len=60, heads=8, kv_heads=8, batch=1)
     inputs = make_inputs(case)
     slopes = alibi_slopes(8)
     ggd = init_ggd_prior(8, alpha_init="slope", beta_init=1.0)
@@ -412,7 +314,7 @@ def test_alibi_configured_ggd_equals_closed_form_alibi() -> None:
 
 
 def test_uniform_init_equals_no_prior() -> None:
-    case = Case(q_len=60, batch=1)
+    case = case_of(q_len=60, batch=1)
     inputs = make_inputs(case)
     uniform = init_ggd_prior(4, alpha_init=1.0, beta_init=0.0)
     out_uniform = _attend(inputs["q"], inputs["k"], inputs["v"], uniform)
@@ -464,7 +366,7 @@ def test_documents_are_isolated_by_gradient() -> None:
 class JitVariantsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_jit_and_eager_agree(self) -> None:
-        case = Case(q_len=20, kv_len=40, offset=20, block_q=8, block_k=8, documents=True)
+        case = case_of(q_len=20, kv_len=40, offset=20, block_q=8, block_k=8, documents=True)
         inputs = make_inputs(case)
 
         def fn(q, k, v, prior, scale, q_seg, k_seg):
@@ -555,10 +457,10 @@ def test_steep_prior_with_ssmax_far_behind_the_cache_stays_finite() -> None:
 
 def test_capped_ssmax_count_scales_by_the_log_of_the_cap() -> None:
     """The reference against a numpy softmax of (q.k / sqrt(D) + bias) * s * log(min(n, cap))."""
-    case = Case(q_len=40, heads=2, kv_heads=2, batch=1, ssmax=True, theta_beta=0.5)
+    case = case_of(q_len=40, heads=2, kv_heads=2, batch=1, ssmax=True, theta_beta=0.5)
     inputs, cap = make_inputs(case), 9
     capped = dataclasses.replace(case, ssmax_max_count=cap)
-    out, _ = attention_and_grads(capped, inputs, "reference")
+    out, _ = values_and_gradients(capped, inputs, "reference")
     q, k, v = (np.asarray(inputs[name], np.float64) for name in "qkv")
     distance = np.arange(case.q_len)[None, :] - np.arange(case.q_len)[:, None]
     bias = np.asarray(inputs["prior"].bias(jnp.asarray(distance)), np.float64)
@@ -573,11 +475,11 @@ def test_capped_ssmax_count_scales_by_the_log_of_the_cap() -> None:
 
 
 def test_a_cap_at_or_above_every_count_changes_nothing() -> None:
-    case = Case(q_len=70, block_q=16, block_k=32, documents=True, ssmax=True, kv_heads=2)
+    case = case_of(q_len=70, block_q=16, block_k=32, documents=True, ssmax=True, kv_heads=2)
     inputs = make_inputs(case)
     for implementation in ("reference", "blockwise"):
-        plain, plain_grads = attention_and_grads(case, inputs, implementation)
-        capped, capped_grads = attention_and_grads(
+        plain, plain_grads = values_and_gradients(case, inputs, implementation)
+        capped, capped_grads = values_and_gradients(
             dataclasses.replace(case, ssmax_max_count=70), inputs, implementation
         )
         np.testing.assert_array_equal(capped, plain)

@@ -22,10 +22,10 @@ from bam_jax.attention import dot_product_attention, reference_attention
 from bam_jax.config import ModelConfig
 from bam_jax.fused_attention import fused_attention
 from bam_jax.model import Transformer
+from tests.support.attention_cases import Case, attention_kwargs, make_inputs
 from tests.support.cpu_compiler import HAS_COMPILER, needs_compiler
 from tests.support.float64 import x64_mode
 from tests.support.grids import slow_unless
-from tests.support.kernel_cases import Case, attention_kwargs, make_inputs
 
 ATOL = RTOL = 2e-5
 GRAD_TOL = 1e-4

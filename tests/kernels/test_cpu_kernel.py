@@ -30,9 +30,7 @@ from bam_jax.attention_spec import AttentionSpec
 from bam_jax.fused_attention import fused_attention
 from bam_jax.kernels import cpu
 from bam_jax.kernels.registry import FUSED_BACKENDS
-from tests.support.cpu_compiler import needs_compiler
-from tests.support.float64 import float64_attention, x64_mode
-from tests.support.kernel_cases import (
+from tests.support.attention_cases import (
     CPU_KERNEL_CASES,
     Case,
     attention_kwargs,
@@ -42,6 +40,8 @@ from tests.support.kernel_cases import (
     run_kernel,
     run_reference,
 )
+from tests.support.cpu_compiler import needs_compiler
+from tests.support.float64 import float64_attention, x64_mode
 from tests.support.processes import run_python
 
 pytestmark = needs_compiler
@@ -147,8 +147,8 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
         import os
         import numpy as np
         from bam_jax.kernels import cpu
-        from tests.support.kernel_cases import CPU_KERNEL_CASES
-        from tests.support.kernel_cases import make_inputs, run_kernel
+        from tests.support.attention_cases import CPU_KERNEL_CASES
+        from tests.support.attention_cases import make_inputs, run_kernel
 
         case = CPU_KERNEL_CASES["long_prefill_two_tasks_many_key_tiles"]
         inputs = make_inputs(case)

@@ -27,14 +27,14 @@ import pytest
 from bam_jax.blockwise import blockwise_attention
 from bam_jax.io import private
 from bam_jax.kernels import cpu
-from tests.support.cpu_compiler import needs_compiler
-from tests.support.kernel_cases import (
+from tests.support.attention_cases import (
     Case,
     attention_kwargs,
     check_values,
     make_inputs,
     run_kernel,
 )
+from tests.support.cpu_compiler import needs_compiler
 from tests.support.processes import run_python
 from tests.support.thread_cap import build_thread_cap
 

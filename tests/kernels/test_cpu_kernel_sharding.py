@@ -25,7 +25,7 @@ pytestmark = needs_compiler
 
 # name: (case, mesh axes and sizes, q's spec [B, T, H, D], k's and v's spec [B, S, K, D]).
 CASES = """
-from tests.support.kernel_cases import Case
+from tests.support.attention_cases import Case
 
 CASES = {
     "batch_ggd_ssmax": (
@@ -74,7 +74,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from bam_jax.kernels.cpu import TARGET_NAME
 from bam_jax.fused_attention import fused_attention
-from tests.support.kernel_cases import attention_kwargs, make_inputs
+from tests.support.attention_cases import attention_kwargs, make_inputs
 
 COLLECTIVES = {collectives!r}
 

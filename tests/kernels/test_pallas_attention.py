@@ -23,7 +23,7 @@ from bam_jax.implementation import resolve_implementation
 from bam_jax.kernels.lowering import kernel_modules, lower_for, tile_op_counts
 from bam_jax.kernels.registry import FUSED_BACKENDS
 from bam_jax.masking import AttentionMask, visibility_mask
-from tests.support.kernel_cases import (
+from tests.support.attention_cases import (
     LOWERING_CASES,
     Case,
     PowerLawPrior,

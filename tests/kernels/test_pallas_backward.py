@@ -21,7 +21,7 @@ import pytest
 
 from bam_jax.fused_attention import fused_attention
 from bam_jax.kernels.lowering import lower_for
-from tests.support.kernel_cases import (
+from tests.support.attention_cases import (
     LOWERING_CASES,
     Case,
     PowerLawPrior,
