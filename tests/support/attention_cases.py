@@ -59,7 +59,6 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
         "ssmax": None,
         "q_seg": None,
         "k_seg": None,
-        "cotangent": None,  # drawn last, so the other inputs do not depend on it
     }
     if case.prior in ("ggd", "ggd_inference"):
         betas = np.resize(np.asarray(case.betas, np.float32), case.heads)
@@ -82,6 +81,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
             k_seg[0, s // 2] = -1  # a hole inside a document
         inputs["k_seg"] = jnp.asarray(k_seg, jnp.int32)
         inputs["q_seg"] = jnp.asarray(k_seg[:, case.offset : case.offset + t], jnp.int32)
+    # Drawn last, so the other inputs do not depend on it.
     inputs["cotangent"] = jnp.asarray(rng.normal(size=(b, t, case.heads, d)), jnp.float32)
     return inputs
 
@@ -143,8 +143,9 @@ def values_and_gradients(case: Case, inputs: dict, implementation: str) -> tuple
     respect to q, k, v, the prior and the SSMax scales, from one jitted program."""
 
     def loss(q, k, v, prior, ssmax):
-        kwargs = attention_kwargs(case, inputs, prior=prior, ssmax_scale_H=ssmax)
-        kwargs["spec"] = kwargs["spec"].replace(implementation=implementation)
+        kwargs = attention_kwargs(
+            case, inputs, prior=prior, ssmax_scale_H=ssmax, implementation=implementation
+        )
         out = dot_product_attention(q, k, v, **kwargs)
         return jnp.sum(out * inputs["cotangent"]), out
 
@@ -164,7 +165,9 @@ def assert_close(actual, expected, rtol: float = 1e-5, name: str = "") -> None:
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=name)
 
 
-def check_against_reference(case: Case, implementation: str = "blockwise", rtol=1e-5) -> None:
+def check_against_reference(
+    case: Case, implementation: str = "blockwise", rtol: float = 1e-5
+) -> None:
     """`implementation`'s output and gradients equal the reference's on the case's inputs."""
     inputs = make_inputs(case)
     out_ref, grads_ref = values_and_gradients(case, inputs, "reference")
